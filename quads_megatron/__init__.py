@@ -1,0 +1,1 @@
+"""QUADS: NVFP4 numerics, Megatron-Core AQAT integration, RL loop and converters."""

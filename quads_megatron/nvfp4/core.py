@@ -1,0 +1,265 @@
+"""NVFP4 quantize / dequantize / fake-quantize: the one implementation of the format.
+
+We follow NVIDIA Transformer Engine's reference quantizer
+(`transformer_engine/pytorch/custom_recipes/reference_nvfp4.py`, `NVFP4QuantizerRef`,
+1x16 or 16x16 tiles, no random Hadamard transform, no stochastic rounding) bit for bit,
+operation order included, because TE's CUDA kernels are tested exact against it and
+TE is what Megatron-Core trains NVFP4 with. All arithmetic is fp32:
+
+1. amax = max|x| (per tensor, per row, or given);
+2. S_enc = 2688 / amax, capped at FLT_MAX; S_enc = 1 when amax == 0 or S_enc == 0
+   (TE's kernel rule; the Python reference would give FLT_MAX for an all-zero tensor,
+   which decodes to the same zeros); S_dec = 1 / S_enc;
+3. block scale sf = e4m3(clamp(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX), +-448)), RNE;
+4. code = RNE_e2m1(clamp(x * min(1 / (fp32(sf) * S_dec), FLT_MAX), +-6)), ties to even;
+5. two codes per byte, element 2i in the low nibble;
+6. x_hat = e2m1 * fp32(sf) * S_dec (left to right: the first product is exact).
+
+NVIDIA ModelOpt's `NVFP4QTensor` computes the same quantity in another order
+(weight_scale_2 = amax / 2688, scaled = x / (sf * weight_scale_2)) and stores 0x38 for an
+all-zero block; it agrees with this code except at exact E4M3 / E2M1 ties (tested).
+
+On CUDA with Triton, 1x16 quantization runs the kernels of `triton_kernels`, which are
+tested bit-identical to the torch code here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, List, Optional, Sequence, Union
+
+import torch
+
+from .format import (BLOCK_SIZE, E2M1_BOUNDS_GE, E2M1_BOUNDS_GT, E4M3_MAX, FLT_MAX, FP4_MAX,
+                     GLOBAL_SCALE_NUMERATOR, e2m1_table)
+from .tensor import NVFP4Tensor
+
+BlockShape = Sequence[int]
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCK_SHAPES = ((1, BLOCK_SIZE), (BLOCK_SIZE, BLOCK_SIZE))
+
+
+# --- scales ------------------------------------------------------------------------------
+def amax_of(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """max|x| in fp32: a scalar, or `[..., 1]` per row of the last dimension."""
+    if per_row:
+        return x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    return x.abs().amax().to(torch.float32)
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 2688 / amax, capped at FLT_MAX, and 1 where amax is 0 or S_enc is 0."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    s_enc = torch.div(torch.tensor(GLOBAL_SCALE_NUMERATOR, dtype=torch.float32,
+                                   device=amax.device), amax)
+    s_enc = torch.clamp(s_enc, max=FLT_MAX)
+    return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+
+
+def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_dec = 1 / S_enc: the FP32 per-tensor scale stored as `weight_scale_2`."""
+    return torch.div(1.0, global_encode_scale(amax))
+
+
+def _block_scale_multiplier(s_enc: torch.Tensor) -> torch.Tensor:
+    """S_enc * fp32(1/6): TE folds the FP4 reciprocal into the global scale first."""
+    return s_enc * torch.reciprocal(torch.tensor(FP4_MAX, dtype=torch.float32, device=s_enc.device))
+
+
+# --- validation --------------------------------------------------------------------------
+def _check_input(x: torch.Tensor, block_shape: BlockShape, per_row: bool, check_finite: bool,
+                 name: str = "x") -> tuple:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"{name}: cannot quantize an empty tensor of shape {tuple(x.shape)}")
+    if x.ndim < 1 or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"{name}: the last dimension must be a multiple of {BLOCK_SIZE} "
+                         f"(NVFP4 blocks), got shape {tuple(x.shape)}")
+    block_shape = tuple(int(b) for b in block_shape)
+    if block_shape not in _BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be (1, 16) or (16, 16), got {block_shape}")
+    if block_shape == (BLOCK_SIZE, BLOCK_SIZE):
+        if per_row:
+            raise ValueError("per_row scaling needs 1x16 blocks, not 16x16")
+        if x.ndim < 2 or x.shape[-2] % BLOCK_SIZE:
+            raise ValueError(f"{name}: 16x16 blocks need the second-to-last dimension to be a "
+                             f"multiple of 16, got shape {tuple(x.shape)}")
+    if check_finite and not bool(torch.isfinite(x).all()):
+        bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
+        raise ValueError(f"{name}: contains {bad}; NVFP4 can only encode finite values")
+    return block_shape
+
+
+def _resolve_amax(x: torch.Tensor, per_row: bool, amax) -> torch.Tensor:
+    row_shape = (*x.shape[:-1], 1)
+    if amax is None:
+        return amax_of(x, per_row)
+    amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+        raise ValueError(f"amax must be finite and >= 0, got {amax}")
+    try:
+        torch.broadcast_shapes(amax.shape, row_shape)
+    except RuntimeError:
+        raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the row "
+                         f"shape {row_shape} of x") from None
+    if per_row and amax.ndim == 0:
+        amax = amax.expand(row_shape)
+    return amax
+
+
+def _as_block_broadcast(t: torch.Tensor) -> torch.Tensor:
+    """Give a per-tensor/per-row scale one more trailing dim to broadcast over [..., nb, 16]."""
+    return t if t.ndim == 0 else t.unsqueeze(-1)
+
+
+# --- the torch reference -----------------------------------------------------------------
+def _e2m1_encode(scaled: torch.Tensor) -> torch.Tensor:
+    """RNE onto the E2M1 grid of values already clamped to [-6, 6]: uint8 codes 0..15."""
+    mag = scaled.abs()
+    code = torch.zeros(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    for b in E2M1_BOUNDS_GT:
+        code += mag > b
+    for b in E2M1_BOUNDS_GE:
+        code += mag >= b
+    code |= (scaled < 0).to(torch.uint8) << 3
+    return code
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack(data: torch.Tensor) -> torch.Tensor:
+    return torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*data.shape[:-1], -1)
+
+
+def _block_amax(xf: torch.Tensor, block_shape: tuple) -> torch.Tensor:
+    """Block amax broadcast to the per-row scale layout: `[..., rows, K // 16]`."""
+    *lead, k = xf.shape
+    if block_shape == (1, BLOCK_SIZE):
+        return xf.view(*lead, k // BLOCK_SIZE, BLOCK_SIZE).abs().amax(dim=-1)
+    m = lead[-1]
+    tiles = xf.view(*lead[:-1], m // BLOCK_SIZE, BLOCK_SIZE, k // BLOCK_SIZE, BLOCK_SIZE)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    return amax.repeat_interleave(BLOCK_SIZE, dim=-2)
+
+
+def quantize_reference(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
+                       block_shape: tuple = (1, BLOCK_SIZE)) -> tuple:
+    """TE's reference steps 3-5 in torch, given the global scales: (data, scale)."""
+    xf = x.to(torch.float32)
+    *lead, k = xf.shape
+    vec_max = _block_amax(xf, block_shape).unsqueeze(-1)                     # [..., nb, 1]
+    mult = _as_block_broadcast(_block_scale_multiplier(s_enc))
+    sf = torch.clamp(torch.clamp(vec_max * mult, max=FLT_MAX), -E4M3_MAX, E4M3_MAX)
+    sf = sf.to(torch.float8_e4m3fn)
+    dec = _as_block_broadcast(s_dec)
+    enc = torch.clamp(torch.div(1.0, sf.to(torch.float32) * dec), max=FLT_MAX)
+    scaled = torch.clamp(xf.view(*lead, k // BLOCK_SIZE, BLOCK_SIZE) * enc, -FP4_MAX, FP4_MAX)
+    codes = _e2m1_encode(scaled).view(*lead, k)
+    return _pack(codes), sf.squeeze(-1)
+
+
+def dequantize_reference(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x_hat = e2m1 * fp32(sf) * S_dec in fp32, then cast to `dtype`."""
+    codes = _unpack(data)
+    *lead, k = codes.shape
+    values = e2m1_table(data.device)[codes.long()].view(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
+    out = values * scale.to(torch.float32).unsqueeze(-1) * _as_block_broadcast(
+        s_dec.to(torch.float32))
+    return out.view(*lead, k).to(dtype)
+
+
+# --- backend choice ----------------------------------------------------------------------
+def _use_triton(x: torch.Tensor, block_shape: tuple) -> bool:
+    """Triton kernels on CUDA tensors (1x16 blocks); QUADS_NVFP4_BACKEND=torch forces torch."""
+    if not x.is_cuda or block_shape != (1, BLOCK_SIZE):
+        return False
+    if os.environ.get("QUADS_NVFP4_BACKEND", "auto") == "torch":
+        return False
+    from . import triton_kernels
+
+    return triton_kernels.available()
+
+
+# --- public API --------------------------------------------------------------------------
+def quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE), per_row: bool = False,
+             amax: Optional[Union[torch.Tensor, float]] = None,
+             check_finite: bool = True) -> NVFP4Tensor:
+    """Quantize `x` (last dim a multiple of 16) to NVFP4, bit-exact with TE's reference.
+
+    per_row: one global scale per row (per-token activations); amax: use this amax
+    (e.g. all-reduced across TP ranks, or shared by gate and up) instead of x's own.
+    check_finite=False skips the NaN/Inf check (a host sync) on hot paths.
+    """
+    block_shape = _check_input(x, block_shape, per_row, check_finite)
+    amax_t = _resolve_amax(x, per_row, amax)
+    s_enc = global_encode_scale(amax_t)
+    s_dec = torch.div(1.0, s_enc)
+    if _use_triton(x, block_shape):
+        from . import triton_kernels
+
+        data, scale = triton_kernels.quantize(x, s_enc, s_dec)
+    else:
+        data, scale = quantize_reference(x, s_enc, s_dec, block_shape)
+    return NVFP4Tensor(data, scale, s_dec, x.shape, block_shape)
+
+
+def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Decode an `NVFP4Tensor` to `dtype` (x_hat = e2m1 * sf * S_dec in fp32, then cast)."""
+    if not isinstance(q, NVFP4Tensor):
+        raise ValueError(f"dequantize expects an NVFP4Tensor, got {type(q).__name__}")
+    if q.data.is_cuda and q.block_shape == (1, BLOCK_SIZE) and \
+            os.environ.get("QUADS_NVFP4_BACKEND", "auto") != "torch":
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            return triton_kernels.dequantize(q.data, q.scale, q.global_scale, dtype).view(q.shape)
+    return dequantize_reference(q.data, q.scale, q.global_scale, dtype).view(q.shape)
+
+
+class _FakeQuantize(torch.autograd.Function):
+    """Forward: dequantize(quantize(x)); backward: identity (straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x, block_shape, per_row, amax, check_finite):
+        if _use_triton(x, tuple(block_shape)):
+            from . import triton_kernels
+
+            _check_input(x, block_shape, per_row, check_finite)
+            s_enc = global_encode_scale(_resolve_amax(x, per_row, amax))
+            return triton_kernels.fake_quantize(x, s_enc, torch.div(1.0, s_enc))
+        q = quantize(x, block_shape=block_shape, per_row=per_row, amax=amax,
+                     check_finite=check_finite)
+        return dequantize(q, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, None, None, None, None
+
+
+def fake_quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE),
+                  per_row: bool = False, amax: Optional[Union[torch.Tensor, float]] = None,
+                  check_finite: bool = True) -> torch.Tensor:
+    """x -> dequantize(quantize(x)) in x's dtype, with a straight-through gradient."""
+    if isinstance(amax, torch.Tensor):
+        amax = amax.detach()
+    return _FakeQuantize.apply(x, tuple(block_shape), per_row, amax, check_finite)
+
+
+def shared_amax(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One amax for several tensors (the max of theirs): gate and up of one expert."""
+    return torch.stack([amax_of(t) for t in tensors]).amax()
+
+
+def quantize_with_shared_scale(tensors: Sequence[torch.Tensor], **opts) -> List[NVFP4Tensor]:
+    """Quantize tensors that one fused kernel reads with one global scale (gate/up, q/k/v)."""
+    if "amax" in opts or opts.get("per_row"):
+        raise ValueError("quantize_with_shared_scale computes the shared amax itself; "
+                         "per_row is not meaningful for a shared per-tensor scale")
+    amax = shared_amax(tensors)
+    return [quantize(t, amax=amax, **opts) for t in tensors]
