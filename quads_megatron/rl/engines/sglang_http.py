@@ -1,0 +1,172 @@
+"""Rollout engine over HTTP: SGLang servers (launched with --quantization quads) or an SGLang router."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
+
+import torch
+
+from .base import Rollout, RolloutEngine, SamplingParams, check_prompt_lengths
+
+
+class SGLangError(RuntimeError):
+    """A server answered with an error or could not be reached."""
+
+
+class SGLangEngine(RolloutEngine):
+    """Spreads prompts over one or more SGLang URLs; syncs weights inside begin/end_weight_update.
+
+    Weight sync modes: "tensor" (update_weights_from_tensor: tensors handed over through shared
+    memory, so trainer and server must share a host) or "disk" (safetensors written to
+    `sync_dir`, then update_weights_from_disk; works across hosts with a shared filesystem).
+    Log-probs come from SGLang's `output_token_logprobs`, i.e. softmax(logits / temperature).
+    """
+
+    def __init__(self, urls: list[str], max_seq_len: int, weight_sync: str = "tensor", sync_dir: str | None = None,
+                 timeout_s: float = 600.0, hf_config=None, tokenizer=None):
+        import requests  # noqa: F401  (fail early with ImportError if missing)
+
+        if not urls:
+            raise ValueError("SGLang engine: no --sglang-url given")
+        if weight_sync not in ("tensor", "disk"):
+            raise ValueError(f"--sglang-weight-sync {weight_sync!r}: expected 'tensor' or 'disk'")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.max_seq_len = max_seq_len
+        self.weight_sync = weight_sync
+        self.sync_dir = sync_dir
+        self.timeout_s = timeout_s
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.tp_sizes = {}
+        for u in self.urls:
+            info = self._get(u, "/get_server_info", timeout=10)
+            self.tp_sizes[u] = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, url: str, path: str, payload=None, timeout=None):
+        import requests
+
+        try:
+            r = requests.request(method, url + path, json=payload, timeout=timeout or self.timeout_s)
+        except requests.exceptions.ConnectionError as e:
+            raise SGLangError(
+                f"SGLang server {url} is unreachable ({type(e).__name__}). Start one with "
+                f"`python -m sglang.launch_server --model-path CKPT --quantization quads --port PORT` "
+                f"or fix --sglang-url") from None
+        except requests.exceptions.Timeout:
+            raise SGLangError(f"SGLang server {url}{path} did not answer within {timeout or self.timeout_s:.0f} s") from None
+        if r.status_code != 200:
+            raise SGLangError(f"SGLang {url}{path} returned HTTP {r.status_code}: {r.text[:500]}")
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def _get(self, url, path, timeout=None):
+        return self._request("GET", url, path, timeout=timeout)
+
+    def _post(self, url, path, payload, timeout=None):
+        out = self._request("POST", url, path, payload, timeout=timeout)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise SGLangError(f"SGLang {url}{path} failed: {out.get('message')}")
+        return out
+
+    # ------------------------------------------------------------------ generation
+    def _generate_chunk(self, url: str, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
+        payload = {
+            "input_ids": prompts,
+            "sampling_params": {
+                "temperature": params.temperature, "top_p": params.top_p,
+                "max_new_tokens": params.max_new_tokens, "stop_token_ids": params.stop_token_ids,
+                "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": seed,
+            },
+            "return_logprob": True,
+        }
+        outs = self._post(url, "/generate", payload)
+        if isinstance(outs, dict):
+            outs = [outs]
+        if not isinstance(outs, list) or len(outs) != len(prompts):
+            raise SGLangError(f"SGLang {url}/generate returned {type(outs).__name__} for {len(prompts)} prompts")
+        results = []
+        for p, o in zip(prompts, outs):
+            meta = o.get("meta_info", {})
+            lp = meta.get("output_token_logprobs")
+            if lp is None:
+                raise SGLangError(f"SGLang {url}/generate: response has no meta_info.output_token_logprobs")
+            ids = o.get("output_ids") or [int(t[1]) for t in lp]
+            finish = (meta.get("finish_reason") or {}).get("type")
+            results.append(Rollout(list(p), [int(t) for t in ids], [float(t[0]) for t in lp], finish == "stop"))
+        return results
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
+        params.validate()
+        check_prompt_lengths(prompts, params.max_new_tokens, self.max_seq_len)
+        n = len(self.urls)
+        bounds = [len(prompts) * i // n for i in range(n + 1)]
+        futs = [self._pool.submit(self._generate_chunk, u, prompts[bounds[i]:bounds[i + 1]], params, seed + i)
+                for i, u in enumerate(self.urls) if bounds[i + 1] > bounds[i]]
+        return [r for f in futs for r in f.result()]
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        named = [(k, v.detach().contiguous()) for k, v in named_tensors]
+        for u in self.urls:
+            self._post(u, "/begin_weight_update", {})
+        try:
+            if self.weight_sync == "tensor":
+                self._sync_tensor(named)
+            else:
+                self._sync_disk(named)
+        finally:
+            for u in self.urls:
+                self._post(u, "/end_weight_update", {})
+
+    def _sync_tensor(self, named):
+        import base64
+
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        blob = base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
+        for u in self.urls:
+            self._post(u, "/update_weights_from_tensor",
+                       {"serialized_named_tensors": [blob] * self.tp_sizes[u], "flush_cache": True})
+
+    def _sync_disk(self, named):
+        from safetensors.torch import save_file
+
+        base = self.sync_dir or tempfile.mkdtemp(prefix="quads_sync_")
+        tmp = os.path.join(base, "weights.tmp")
+        final = os.path.join(base, "weights")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file({k: v.cpu() for k, v in named}, os.path.join(tmp, "model.safetensors"))
+        if self.hf_config is not None:
+            self.hf_config.save_pretrained(tmp)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for u in self.urls:
+            self._post(u, "/update_weights_from_disk", {"model_path": final, "flush_cache": True})
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def parse_urls(values: list[str] | None) -> list[str]:
+    """Split --sglang-url values (repeatable, comma-separated) into a list of base URLs."""
+    urls = []
+    for v in values or []:
+        urls += [u.strip() for u in v.split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"--sglang-url {u!r}: expected http://HOST:PORT")
+    return urls
+
+

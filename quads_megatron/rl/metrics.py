@@ -1,0 +1,80 @@
+"""Step metrics: rollout/trainer mismatch, entropy, rewards; a TensorBoard writer and a compact line."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .loss import k3_kl, masked_mean
+
+
+def mismatch_stats(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """train_rollout_logprob_abs_diff (masked mean |lp_train - lp_rollout|) and train_rollout_kl (k3)."""
+    m = mask.to(train_logp.dtype)
+    gap = train_logp.detach() - rollout_logp.detach()
+    return {
+        "train_rollout_logprob_abs_diff": masked_mean(gap.abs(), m),
+        "train_rollout_kl": masked_mean(k3_kl(rollout_logp.detach(), train_logp.detach()), m),
+    }
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of softmax(logits) over the last dimension (fp32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class StepLogger:
+    """Writes scalars/histograms to TensorBoard (rank 0) and prints one compact line per step."""
+
+    LINE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("eval/pass@1", "pass@1", "{:.3f}"),
+                 ("loss/policy", "loss", "{:+.4f}"), ("mismatch/train_rollout_logprob_abs_diff", "|dlp|", "{:.2e}"),
+                 ("mismatch/train_rollout_kl", "kl", "{:.1e}"), ("mismatch/tis_weight_mean", "tis", "{:.3f}"),
+                 ("optim/grad_norm", "gnorm", "{:.3f}"), ("response/length_mean", "len", "{:.1f}"),
+                 ("time/step", "t", "{:.2f}s")]
+
+    def __init__(self, tensorboard_dir: str | os.PathLike | None, enabled: bool = True, print_fn=print):
+        self.enabled = enabled
+        self.print_fn = print_fn
+        self.writer = None
+        self.dir = Path(tensorboard_dir) if tensorboard_dir else None
+        if enabled and self.dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=str(self.dir))
+
+    def log(self, step: int, scalars: dict[str, float], histograms: dict[str, torch.Tensor] | None = None,
+            line: bool = True) -> str:
+        """Record one step; return the compact line."""
+        if not self.enabled:
+            return ""
+        if self.writer is not None:
+            for k, v in scalars.items():
+                if v is not None and math.isfinite(float(v)):
+                    self.writer.add_scalar(k, float(v), step)
+            for k, h in (histograms or {}).items():
+                if h is not None and h.numel():
+                    self.writer.add_histogram(k, h.detach().float().cpu(), step)
+            self.writer.flush()
+        parts = [f"step {step}"]
+        for key, short, fmt in self.LINE_KEYS:
+            if key in scalars and scalars[key] is not None:
+                parts.append(f"{short} {fmt.format(float(scalars[key]))}")
+        text = " | ".join(parts)
+        if line and self.print_fn is not None:
+            self.print_fn(text)
+        return text
+
+    def text(self, tag: str, value: str, step: int = 0) -> None:
+        """Record a text summary (run config, final summary)."""
+        if self.enabled and self.writer is not None:
+            self.writer.add_text(tag, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
