@@ -1,0 +1,224 @@
+"""Hugging Face checkpoint directories: a validating safetensors reader and a streaming sharded writer."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from quads_megatron.convert.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+# safetensors dtype strings (get_slice().get_dtype()) -> torch dtypes.
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_json(path, what: str) -> dict:
+    """Load a JSON file, or raise CheckpointError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def write_json(path, data: dict) -> None:
+    """Write JSON the way HF does (indent 2, sorted keys, trailing newline)."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+class HFCheckpoint:
+    """Read-only view of ``config.json`` + safetensors (single file or indexed shards) of one directory.
+
+    Opening parses every shard header, so a truncated or corrupt file, an index entry whose file
+    or tensor is missing, or a tensor stored in two files fails here with the file named.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"Hugging Face checkpoint directory not found: {self.path}")
+        self.config = read_json(self.path / "config.json", "config.json")
+        self._handles = {}
+        self.weight_map = self._load_weight_map()
+
+    def _open(self, filename: str):
+        if filename not in self._handles:
+            file = self.path / filename
+            if not file.is_file():
+                raise CheckpointError(f"{self.path}: safetensors file {filename} is missing")
+            try:
+                self._handles[filename] = safe_open(str(file), framework="pt")
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: truncated or corrupt safetensors file ({e})") from None
+        return self._handles[filename]
+
+    def _load_weight_map(self) -> dict:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            listed = read_json(index, INDEX_FILE).get("weight_map")
+            if not isinstance(listed, dict) or not listed:
+                raise CheckpointError(f"{index}: has no 'weight_map'")
+            for filename in sorted(set(listed.values())):
+                present = set(self._open(filename).keys())
+                for name in (n for n, f in listed.items() if f == filename):
+                    if name not in present:
+                        raise CheckpointError(f"{index}: tensor {name} is listed in {filename}, "
+                                              "but that file does not contain it")
+            return dict(listed)
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
+        weight_map = {}
+        for filename in files:
+            for name in self._open(filename).keys():
+                if name in weight_map:
+                    raise CheckpointError(f"{self.path}: tensor {name} appears in both "
+                                          f"{weight_map[name]} and {filename}")
+                weight_map[name] = filename
+        return weight_map
+
+    def keys(self) -> list:
+        return sorted(self.weight_map)
+
+    def __contains__(self, name) -> bool:
+        return name in self.weight_map
+
+    def _slice(self, name):
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing from the checkpoint")
+        return self._open(self.weight_map[name]).get_slice(name)
+
+    def shape(self, name) -> tuple:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name) -> torch.dtype:
+        st = self._slice(name).get_dtype()
+        if st not in _ST_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {st}")
+        return _ST_DTYPES[st]
+
+    def get(self, name) -> torch.Tensor:
+        """The whole tensor (loaded from the mmap'd file)."""
+        return self._slice(name)[:]
+
+    def get_rows(self, name, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 without reading the rest of the tensor."""
+        return self._slice(name)[start:stop]
+
+    def validate(self, expected: dict, *, dtype: torch.dtype | None = None, what: str = "config.json"):
+        """Check names and shapes (and one dtype, if given) against ``{name: shape}`` from the config.
+
+        Raises CheckpointError naming the first offending tensors: missing, unexpected, wrong shape
+        or wrong dtype.
+        """
+        have = set(self.weight_map)
+        missing = sorted(set(expected) - have)
+        extra = sorted(have - set(expected))
+        if missing:
+            raise CheckpointError(f"{self.path}: {len(missing)} tensor(s) expected from {what} are "
+                                  f"missing, first: {missing[:5]}")
+        if extra:
+            raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) not expected from {what}, "
+                                  f"first: {extra[:5]}")
+        for name in sorted(expected):
+            shape = self.shape(name)
+            if shape != tuple(expected[name]):
+                raise CheckpointError(f"{self.path}: tensor {name} ({self.weight_map[name]}) has shape "
+                                      f"{list(shape)}, {what} implies {list(expected[name])}")
+            if dtype is not None and self.dtype(name) != dtype:
+                raise CheckpointError(f"{self.path}: tensor {name} ({self.weight_map[name]}) has dtype "
+                                      f"{self.dtype(name)}, expected {dtype}")
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ShardedSafetensorsWriter:
+    """Stream (name, tensor) pairs into size-capped safetensors shards plus the HF index.
+
+    One shard is written as ``model.safetensors``; more as ``model-0000i-of-0000N.safetensors``
+    with ``model.safetensors.index.json``.  ``dry_run`` records what would be written and writes
+    nothing.  Use inside ``atomic_output_dir`` so a failure leaves no partial checkpoint.
+    """
+
+    def __init__(self, out_dir, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dry_run: bool = False,
+                 metadata: dict | None = None):
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self.dry_run = dry_run
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.listing = []          # (name, shape, dtype, nbytes) in write order
+        self._buffer, self._buffer_bytes = {}, 0
+        self._shards = []          # temporary shard names, renamed in close()
+        self._names = set()
+        self.files = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise CheckpointError(f"tensor {name} written twice")
+        self._names.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.listing.append((name, tuple(tensor.shape), tensor.dtype, nbytes))
+        if self.dry_run:
+            return
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = tensor.detach().to("cpu").contiguous()
+        self._buffer_bytes += nbytes
+
+    def _flush(self) -> None:
+        tmp_name = f"shard-{len(self._shards):05d}.tmp"
+        save_file(self._buffer, str(self.out_dir / tmp_name), metadata=self.metadata)
+        self._shards.append((tmp_name, sorted(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def close(self) -> list:
+        """Write the last shard and the index; return the file names (would-be names when dry)."""
+        if self.dry_run:
+            total = sum(item[3] for item in self.listing)
+            count = max(1, -(-total // self.max_shard_bytes)) if self.listing else 0
+            self.files = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                                                           for i in range(count)] + [INDEX_FILE]
+            return self.files
+        if self._buffer or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        weight_map = {}
+        for i, (tmp_name, names) in enumerate(self._shards):
+            final = SINGLE_FILE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.rename(self.out_dir / tmp_name, self.out_dir / final)
+            weight_map.update({n: final for n in names})
+            self.files.append(final)
+        if count > 1:
+            total = sum(item[3] for item in self.listing)
+            write_json(self.out_dir / INDEX_FILE, {"metadata": {"total_size": total},
+                                                   "weight_map": dict(sorted(weight_map.items()))})
+            self.files.append(INDEX_FILE)
+        return self.files
+
+
+def format_listing(listing, files) -> str:
+    """Human-readable table of a dry run: one line per tensor, then the files."""
+    lines = [f"{name}  {list(shape)}  {str(dtype).removeprefix('torch.')}" for name, shape, dtype, _ in listing]
+    total = sum(item[3] for item in listing)
+    lines.append(f"-- {len(listing)} tensors, {total / 1e6:.2f} MB in {', '.join(files) or 'no files'}")
+    return "\n".join(lines)

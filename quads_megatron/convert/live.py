@@ -1,0 +1,94 @@
+"""``iter_hf_weights``: stream (HF name, tensor) from a live Megatron Qwen3-MoE model, gathering TP/EP shards.
+
+This is the RL weight-sync path and the back half of the Megatron -> HF converter.  Every rank of
+the model-parallel group calls it with the same arguments (it runs collectives) and receives
+full tensors one parameter at a time: a tensor-parallel piece is all-gathered over (expert-)TP,
+an expert over EP as well, so no rank ever holds more than one gathered parameter (times the EP
+size for experts).  With ``scope`` the routed experts come out already in NVFP4 (ModelOpt names).
+"""
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from quads_megatron.convert import qwen3_moe
+from quads_megatron.convert.megatron_params import global_param_refs, parallel_info, unwrap
+from quads_megatron.convert.nvfp4_export import quantize_expert_linear
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None, None, None
+    return (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_model_parallel_group())
+
+
+def _all_gather(t: torch.Tensor, group, size: int) -> list:
+    if size == 1:
+        return [t]
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+def hf_dims_of(model, vocab_size: int | None = None):
+    """``qwen3_moe.Dims`` of a live model (``vocab_size``: the HF, i.e. unpadded, vocabulary)."""
+    gpt = unwrap(model)
+    c = gpt.config
+    return qwen3_moe.Dims(
+        vocab_size=vocab_size or gpt.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups or c.num_attention_heads,
+        head_dim=c.kv_channels, num_experts=c.num_moe_experts, moe_ffn=c.moe_ffn_hidden_size,
+        tie_word_embeddings=gpt.share_embeddings_and_output_weights)
+
+
+@torch.no_grad()
+def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype | None = None,
+                    scope=None, experts: str = "gather", progress: bool = False):
+    """Yield ``(hf_name, tensor)`` for every weight of ``model`` (this pipeline stage's share).
+
+    vocab_size: the HF vocabulary (Megatron's padded rows are dropped); default the model's.
+    dtype: cast floating tensors (default: keep the parameter dtype).
+    scope: a ``nvfp4_export.QuantScope``; routed experts it covers are yielded as ModelOpt
+        NVFP4 triples (``.weight`` uint8, ``.weight_scale`` e4m3, ``.weight_scale_2`` fp32), gate
+        and up sharing one global scale, bit-identical to the trainer's fake quantization.
+    experts: "gather" (every rank yields all experts) or "local" (each EP rank yields only the
+        experts it holds, for per-rank pushes to the rollout engine; no EP collective).
+    """
+    if experts not in ("gather", "local"):
+        raise ValueError(f"experts={experts!r}: expected 'gather' or 'local'")
+    dims = hf_dims_of(model, vocab_size)
+    info = parallel_info()
+    tp_group, etp_group, ep_group = _groups()
+    refs = global_param_refs(model)
+    num_local = max(1, (dims.num_experts or 0) // info["ep_size"])
+    for ref in tqdm(refs, desc="Megatron -> HF", disable=not progress, unit="tensor"):
+        rule = ref.rule
+        if not rule.expert:
+            full = qwen3_moe.unshard(rule, _all_gather(ref.param, tp_group, info["tp_size"]))
+            for name, t in zip(qwen3_moe.hf_names(rule, ref.layer), qwen3_moe.to_hf(rule, full, dims)):
+                yield name, _cast(t, dtype)
+            continue
+        full = qwen3_moe.unshard(rule, _all_gather(ref.param, etp_group, info["etp_size"]))
+        if experts == "gather":
+            per_rank = _all_gather(full, ep_group, info["ep_size"])
+            local_idx = ref.expert - info["ep_rank"] * num_local
+            owned = [(r * num_local + local_idx, t) for r, t in enumerate(per_rank)]
+        else:
+            owned = [(ref.expert, full)]
+        for expert, t_full in owned:
+            names = qwen3_moe.hf_names(rule, ref.layer, expert)
+            tensors = qwen3_moe.to_hf(rule, t_full, dims)
+            if scope is not None and scope.quantizes(rule, ref.layer):
+                # Quantize the parameter as the trainer holds it (before any output cast).
+                yield from quantize_expert_linear(names, tensors, scope.block_shape)
+            else:
+                yield from zip(names, (_cast(t, dtype) for t in tensors))
+
+
+def _cast(t: torch.Tensor, dtype):
+    t = t.detach()
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t

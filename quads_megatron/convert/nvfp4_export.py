@@ -1,0 +1,58 @@
+"""Which HF tensors become NVFP4 (``QuantScope``) and how one expert linear is packed under ModelOpt names."""
+
+import dataclasses
+
+import torch
+
+from quads_megatron import nvfp4
+from quads_megatron.convert import qwen3_moe
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScope:
+    """Routed-expert projections of every layer except ``bf16_layers`` are NVFP4; the rest stays BF16.
+
+    ``block_shape`` is the recipe's weight block ((1, 16) or (16, 16); both store ModelOpt's
+    per-row scale layout).
+    """
+
+    block_shape: tuple = (1, nvfp4.BLOCK_SIZE)
+    bf16_layers: frozenset = frozenset()
+
+    def quantizes(self, rule: qwen3_moe.Rule, layer) -> bool:
+        return rule.expert and layer not in self.bf16_layers
+
+    def quantized_layers(self, dims: qwen3_moe.Dims) -> list:
+        return [layer for layer in range(dims.num_layers) if layer not in self.bf16_layers]
+
+    def exclude_modules(self, dims: qwen3_moe.Dims) -> list:
+        """HF module patterns left unquantized, as ModelOpt's ``exclude_modules`` lists them."""
+        excluded = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"]
+        excluded += [f"model.layers.{layer}.mlp.experts*" for layer in sorted(self.bf16_layers)]
+        return excluded
+
+
+def _base(name: str) -> str:
+    if not name.endswith(".weight"):
+        raise ValueError(f"{name}: expected a '.weight' tensor name")
+    return name[: -len(".weight")]
+
+
+def quantize_expert_linear(names, tensors, block_shape=(1, nvfp4.BLOCK_SIZE)):
+    """Yield ModelOpt NVFP4 ``(name, tensor)`` triples for one expert's gate+up (shared global scale)
+    or down projection; ``names`` are the HF ``*.weight`` names of ``tensors``."""
+    if len(tensors) == 2:
+        quantized = nvfp4.quantize_with_shared_scale(list(tensors), block_shape=tuple(block_shape))
+    elif len(tensors) == 1:
+        quantized = [nvfp4.quantize(tensors[0], block_shape=tuple(block_shape))]
+    else:
+        raise ValueError(f"quantize_expert_linear: expected 1 or 2 tensors, got {len(tensors)}")
+    for name, q in zip(names, quantized):
+        base = _base(name)
+        for suffix, t in q.to_modelopt().items():
+            yield f"{base}.{suffix}", t
+
+
+def expert_input_scale(amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt ``input_scale`` (static per-tensor activation decode scale) from a calibrated amax."""
+    return nvfp4.global_decode_scale(amax.to(torch.float32)).reshape(())
