@@ -11,7 +11,10 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """Sampling settings of one generate call; log-probs are of softmax(logits / temperature)."""
+    """Sampling settings of one generate call; log-probs are of softmax(logits / temperature).
+
+    temperature 0 means greedy decoding (log-probs then of softmax(logits)), as in SGLang.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -20,8 +23,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError on settings no engine can honour."""
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (got {self.temperature}); use a small value for near-greedy")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:

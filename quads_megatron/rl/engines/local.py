@@ -13,7 +13,14 @@ _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator):
-    """Sample one token per row; return (token [B], log-prob [B] under softmax(logits / temperature))."""
+    """Sample one token per row; return (token [B], log-prob [B] under softmax(logits / temperature)).
+
+    temperature 0 is greedy (argmax; log-prob under softmax(logits)).
+    """
+    if temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tok = logp.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     probs = logp.exp()
     if top_p < 1.0:

@@ -1,0 +1,343 @@
+"""The GRPO training loop: rollout -> reward -> advantages -> Megatron update -> weight sync, with logging."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .advantages import grpo_advantages
+from .arguments import parse_args
+from .batch import build_sft_batch, build_train_batch, decode_response, encode_prompt
+from .engines.base import SamplingParams, check_prompt_lengths
+from .loss import LossConfig, masked_mean, policy_loss
+from .metrics import StepLogger, mismatch_stats
+from .tasks import build_task
+from .tokenizer import load_tokenizer
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _print(*a):
+    if _rank0():
+        print(*a, flush=True)
+
+
+def _dp_mean(values: dict[str, float], group) -> dict[str, float]:
+    """Average scalars over the data-parallel group (every rank gets the result)."""
+    if not values or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    t /= dist.get_world_size(group)
+    return dict(zip(keys, t.tolist()))
+
+
+def _set_threads():
+    """Split the machine's cores between the local ranks (torchrun sets LOCAL_WORLD_SIZE)."""
+    if torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+class GRPOTrainer:
+    """Holds the policy, rollout engine, task and logger; `run()` executes the whole job."""
+
+    def __init__(self, args):
+        from .policy import MegatronPolicy
+
+        self.args = args
+        _set_threads()
+        tok_path = args.tokenizer or args.hf_checkpoint
+        self.tokenizer = load_tokenizer(tok_path)
+        vocab = len(self.tokenizer)
+        vocab_padded = int(math.ceil(vocab / 128) * 128)
+        self.task = build_task(args.task, seed=args.seed, eval_path=args.eval_data)
+        self.policy = MegatronPolicy(args, vocab_padded)
+        self.dp_rank, self.dp_size = self.policy.dp_rank_size()
+        if args.rollout_batch_size % self.dp_size:
+            raise ValueError(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by the "
+                             f"data-parallel size {self.dp_size}")
+        self.prompts_per_rank = args.rollout_batch_size // self.dp_size
+        G = args.n_samples_per_prompt
+        total = args.rollout_batch_size * G
+        gbs = args.global_batch_size or total
+        if total % gbs or gbs % self.dp_size:
+            raise ValueError(f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt "
+                             f"({total}) and be divisible by the data-parallel size {self.dp_size}")
+        self.steps_per_rollout = total // gbs
+        self.local_batch = gbs // self.dp_size
+        self.eos = self.tokenizer.eos_token_id
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        self.loss_cfg = LossConfig(clip_eps=args.eps_clip, clip_eps_high=args.eps_clip_high, tis=args.use_tis,
+                                   tis_cap=args.tis_cap, mis=args.use_mis, mis_low=args.mis_low,
+                                   mis_high=args.mis_high, kl_coef=args.kl_coef)
+        self.sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                       max_new_tokens=args.max_new_tokens, stop_token_ids=[self.eos])
+        self.greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=[self.eos])
+        # validate every eval prompt now: a too-long prompt fails before any training, not mid-run
+        self.eval_samples = self.task.eval_set()
+        if not self.eval_samples:
+            raise ValueError(f"task {args.task!r} has an empty eval set")
+        check_prompt_lengths([encode_prompt(self.tokenizer, s.prompt) for s in self.eval_samples],
+                             args.max_new_tokens, args.seq_length)
+        self.engine = self._build_engine()
+        self.logger = StepLogger(args.tensorboard_dir, enabled=_rank0())
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ setup
+    def _build_engine(self):
+        a = self.args
+        if a.rollout_engine == "sglang":
+            from .engines.sglang_http import SGLangEngine, parse_urls
+
+            return SGLangEngine(parse_urls(a.sglang_url), a.seq_length, weight_sync=a.sglang_weight_sync,
+                                sync_dir=a.sglang_sync_dir, hf_config=self.policy.hf_config(), tokenizer=self.tokenizer)
+        from .engines.local import LocalEngine
+
+        opts = {"rac_channels": a.rac_channels, "quantize_attention": a.rollout_quantize_attention}
+        if self.policy.recipe is not None:
+            opts["recipe"] = self.policy.recipe
+        return LocalEngine(self.policy.hf_config(), precision=a.rollout_precision, max_seq_len=a.seq_length,
+                           pad_token_id=self.pad, quant_options=opts)
+
+    def _load_hf_checkpoint(self):
+        from quads_megatron.convert import load_hf_into_megatron
+
+        load_hf_into_megatron(self.policy.model, self.args.hf_checkpoint)
+
+    # ------------------------------------------------------------------ pieces of a step
+    def sync_weights(self):
+        """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch."""
+        self.engine.update_weights(self.policy.hf_weights())
+        if hasattr(self.engine, "calibrate") and self.args.rollout_precision == "quads":
+            calib = self.task.train_batch(16, seed=-1)
+            self.engine.calibrate([encode_prompt(self.tokenizer, s.prompt) for s in calib])
+
+    def rollout(self, step: int):
+        """Generate G responses for this rank's prompts; return (samples, rollouts, rewards [N])."""
+        G = self.args.n_samples_per_prompt
+        samples = self.task.train_batch(self.prompts_per_rank, seed=step * 9973 + self.dp_rank)
+        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples for _ in range(G)]
+        rollouts = self.engine.generate(prompts, self.sampling, seed=self.args.seed * 100003 + step * 101 + self.dp_rank)
+        refs = [s for s in samples for _ in range(G)]
+        rewards = torch.tensor([self.task.reward(decode_response(self.tokenizer, r.response_ids), s)
+                                for r, s in zip(rollouts, refs)], dtype=torch.float32)
+        if not torch.isfinite(rewards).all():
+            raise FloatingPointError("non-finite reward from the verifier")
+        return samples, rollouts, rewards
+
+    def train_on(self, batch):
+        """One or more optimizer steps on this rank's batch; return training stats and per-token gaps."""
+        mbs = self.args.micro_batch_size
+        stats = {"loss": 0.0, "pg_clipfrac": 0.0, "tis_weight_mean": 0.0, "tis_clipfrac": 0.0, "mis_maskfrac": 0.0,
+                 "ppo_ratio_mean": 0.0, "entropy": 0.0, "grad_norm": 0.0,
+                 "train_rollout_logprob_abs_diff": 0.0, "train_rollout_kl": 0.0}
+        old_lp = None
+        if self.steps_per_rollout > 1:
+            with torch.no_grad():
+                old_lp = torch.cat([self.policy.token_logprobs(batch.tokens[i:i + mbs])[0]
+                                    for i in range(0, len(batch), mbs)])
+        gaps, n_mb = [], 0
+        for s in range(self.steps_per_rollout):
+            sub_lo, sub_hi = s * self.local_batch, (s + 1) * self.local_batch
+            sub = batch.slice(sub_lo, sub_hi)
+            denom = sub.mask.sum().clamp_min(1.0)
+            for i in range(0, len(sub), mbs):
+                mb = sub.slice(i, i + mbs)
+                lp, ent = self.policy.token_logprobs(mb.tokens, with_entropy=True)
+                olp = lp.detach() if old_lp is None else old_lp[sub_lo + i: sub_lo + i + len(mb)]
+                loss, st = policy_loss(lp, olp, mb.rollout_logp, mb.advantages, mb.mask, self.loss_cfg,
+                                       token_denom=denom)
+                loss.backward()
+                w = float(mb.mask.sum() / denom) / self.steps_per_rollout
+                stats["loss"] += float(loss) / self.steps_per_rollout
+                for k, v in st.items():
+                    stats[k] += float(v) * w
+                stats["entropy"] += float(masked_mean(ent, mb.mask)) * w
+                if s == 0:  # mismatch is measured against the policy that generated the batch
+                    mm = mismatch_stats(olp, mb.rollout_logp, mb.mask)
+                    for k, v in mm.items():
+                        stats[k] += float(v) * float(mb.mask.sum() / denom)
+                    gaps.append((olp - mb.rollout_logp)[mb.mask.bool()])
+                n_mb += 1
+            stats["grad_norm"] += self.policy.optimizer_step() / self.steps_per_rollout
+        return stats, torch.cat(gaps) if gaps else torch.zeros(0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """pass@1 (greedy) on the held-out set, split over DP ranks."""
+        ev = self.eval_samples[self.dp_rank::self.dp_size]
+        correct = torch.zeros(2, dtype=torch.float64)
+        if ev:
+            outs = self.engine.generate([encode_prompt(self.tokenizer, s.prompt) for s in ev], self.greedy, seed=0)
+            correct[0] = sum(self.task.reward(decode_response(self.tokenizer, o.response_ids), s) for o, s in zip(outs, ev))
+            correct[1] = len(ev)
+        if dist.is_initialized():
+            dist.all_reduce(correct, group=self.policy.dp_group())
+        return float(correct[0] / correct[1].clamp_min(1))
+
+    def sft_warmup(self):
+        """Supervised warm-up on the task's reference answers so GRPO starts with non-zero reward."""
+        a = self.args
+        if a.sft_iters <= 0:
+            return
+        opt = torch.optim.AdamW(self.policy.model.parameters(), lr=a.sft_lr, betas=(0.9, 0.99))
+        per_rank = max(1, a.sft_batch_size // self.dp_size)
+        t0 = time.perf_counter()
+        for it in range(a.sft_iters):
+            samples = self.task.train_batch(per_rank, seed=-(10**6) - it * 9973 - self.dp_rank)
+            prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
+            targets = [self.tokenizer.encode(self.task.sft_text(s), add_special_tokens=False) + [self.eos]
+                       for s in samples]
+            tokens, mask = build_sft_batch(prompts, targets, self.pad)
+            lp, _ = self.policy.token_logprobs(tokens)
+            loss = -masked_mean(lp, mask)
+            loss.backward()
+            self.policy.optimizer_step(opt)
+            if it % 20 == 0 or it == a.sft_iters - 1:
+                _print(f"[sft] iter {it + 1}/{a.sft_iters} loss {float(loss):.4f} ({time.perf_counter() - t0:.1f}s)")
+        self.logger.text("sft", f"{a.sft_iters} warm-up steps, final loss {float(loss):.4f}")
+
+    # ------------------------------------------------------------------ the job
+    def run(self) -> dict:
+        a = self.args
+        start = 0
+        state = ckpt.load_checkpoint(a.load) if a.load else None
+        if state is not None:
+            self.policy.load_state_dict(state["policy"])
+            self.history = state.get("history", [])
+            start = state["iteration"]
+            _print(f"resumed from {a.load} at iteration {start}")
+        else:
+            if a.hf_checkpoint:
+                self._load_hf_checkpoint()
+            self.sft_warmup()
+        if _rank0():
+            self.logger.text("config", "\n".join(f"    --{k.replace('_', '-')} {v}" for k, v in sorted(vars(a).items())))
+        t = time.perf_counter()
+        self.sync_weights()
+        sync_time = time.perf_counter() - t
+        pass_before = self.evaluate() if start == 0 else (self.history[0].get("pass_before") if self.history else None)
+        if start == 0:
+            self.history = [{"pass_before": pass_before}]
+            self.logger.log(0, {"eval/pass@1": pass_before}, line=False)
+        _print(f"pass@1 before GRPO: {pass_before:.3f}" if pass_before is not None else "")
+        bar = None
+        if _rank0() and not a.no_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=a.train_iters, initial=start, desc="GRPO", dynamic_ncols=True, leave=False)
+        for step in range(start, a.train_iters):
+            t0 = time.perf_counter()
+            samples, rollouts, rewards = self.rollout(step)
+            t1 = time.perf_counter()
+            adv = grpo_advantages(rewards, a.n_samples_per_prompt, normalize_std=not a.disable_grpo_std_normalization)
+            batch = build_train_batch(rollouts, adv, self.pad)
+            if not torch.isfinite(batch.rollout_logp).all():
+                raise FloatingPointError(f"step {step + 1}: non-finite rollout log-probs from the engine")
+            stats, gaps = self.train_on(batch)
+            t2 = time.perf_counter()
+            self.sync_weights()
+            t3 = time.perf_counter()
+            resp_len = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
+            n_gen = float(resp_len.sum())
+            scalars = {
+                "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+                "response/length_mean": float(resp_len.mean()),
+                "response/finished_frac": sum(r.finished for r in rollouts) / len(rollouts),
+                "loss/policy": stats["loss"], "policy/entropy": stats["entropy"],
+                "policy/pg_clipfrac": stats["pg_clipfrac"], "policy/ppo_ratio_mean": stats["ppo_ratio_mean"],
+                "optim/grad_norm": stats["grad_norm"], "optim/lr": a.lr,
+                "mismatch/train_rollout_logprob_abs_diff": stats["train_rollout_logprob_abs_diff"],
+                "mismatch/train_rollout_kl": stats["train_rollout_kl"],
+                "mismatch/tis_weight_mean": stats["tis_weight_mean"], "mismatch/tis_clipfrac": stats["tis_clipfrac"],
+                "mismatch/mis_maskfrac": stats["mis_maskfrac"],
+                "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
+                "throughput/rollout_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
+                "throughput/train_tokens_per_s": float(batch.mask.sum()) / max(t2 - t1, 1e-9),
+            }
+            scalars = _dp_mean(scalars, self.policy.dp_group())
+            it = step + 1
+            if a.eval_interval and (it % a.eval_interval == 0 or it == a.train_iters):
+                scalars["eval/pass@1"] = self.evaluate()
+            if a.quant_error_interval and (it % a.quant_error_interval == 0 or it == 1):
+                for k, v in self.engine.quant_error_report().items():
+                    scalars[f"quant/{k}"] = v
+            self.history.append({"step": it, "reward": scalars["reward/mean"],
+                                 "gap": scalars["mismatch/train_rollout_logprob_abs_diff"],
+                                 "pass": scalars.get("eval/pass@1")})
+            if it % a.log_interval == 0 or it == a.train_iters:
+                line = self.logger.log(it, scalars, {"mismatch/logprob_gap": gaps}, line=False)
+                if bar is not None:
+                    bar.write(line)
+                elif _rank0():
+                    print(line, flush=True)
+            if bar is not None:
+                bar.update(1)
+            if a.save and a.save_interval and (it % a.save_interval == 0 or it == a.train_iters):
+                ckpt.save_checkpoint(a.save, it, {"policy": self.policy.state_dict(), "history": self.history,
+                                                  "args": vars(a)})
+        if bar is not None:
+            bar.close()
+        summary = self.summary(sync_time)
+        return summary
+
+    def summary(self, first_sync_time: float) -> dict:
+        """Reward before/after, pass@1 before/after, mean log-prob gap: printed, to TensorBoard and JSON."""
+        steps = [h for h in self.history if "step" in h]
+        k = max(1, min(5, len(steps) // 3)) if steps else 1
+        passes = [h["pass"] for h in steps if h.get("pass") is not None]
+        out = {
+            "steps": len(steps),
+            "reward_before": sum(h["reward"] for h in steps[:k]) / k if steps else None,
+            "reward_after": sum(h["reward"] for h in steps[-k:]) / k if steps else None,
+            "pass@1_before": self.history[0].get("pass_before") if self.history else None,
+            "pass@1_after": passes[-1] if passes else None,
+            "mean_logprob_abs_diff": sum(h["gap"] for h in steps) / len(steps) if steps else None,
+            "rollout_precision": self.args.rollout_precision, "quads_train": self.args.quads_train,
+            "tensorboard_dir": str(self.args.tensorboard_dir),
+        }
+        if _rank0():
+            fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+            text = (f"summary ({out['quads_train']} trainer, {out['rollout_precision']} rollout, {out['steps']} steps): "
+                    f"reward {fmt(out['reward_before'])} -> {fmt(out['reward_after'])} (mean of first/last {k} steps), "
+                    f"pass@1 {fmt(out['pass@1_before'])} -> {fmt(out['pass@1_after'])}, "
+                    f"mean |logp_train - logp_rollout| {fmt(out['mean_logprob_abs_diff'])}")
+            print(text, flush=True)
+            self.logger.text("summary", text)
+            Path(self.args.tensorboard_dir).mkdir(parents=True, exist_ok=True)
+            for path in filter(None, [os.path.join(self.args.tensorboard_dir, "summary.json"), self.args.summary_json]):
+                Path(path).write_text(json.dumps(out, indent=2) + "\n")
+        return out
+
+    def close(self):
+        self.logger.close()
+        self.engine.close()
+
+
+def main(argv=None) -> dict:
+    """Entry point of examples/train_grpo_moe.sh and `python -m quads_megatron.rl`."""
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(args)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    summary["wall_time_s"] = time.perf_counter() - t0
+    _print(f"wall time {summary['wall_time_s']:.1f} s; TensorBoard: tensorboard --logdir {args.tensorboard_dir}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary

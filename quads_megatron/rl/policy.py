@@ -1,0 +1,165 @@
+"""The trainer side of the loop: a Megatron-Core GPTModel, its token log-probs, optimizer and grad norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+class MegatronPolicy:
+    """Owns the Megatron-Core model (AQAT experts when asked) and a torch AdamW on its parameters."""
+
+    def __init__(self, args, vocab_size: int):
+        from quads_megatron.megatron import build_gpt_model, initialize_distributed, qwen3_moe_config
+        from quads_megatron.megatron.presets import qwen3_moe_model_args
+
+        initialize_distributed(tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
+                               etp=args.expert_tensor_parallel_size, seed=args.seed)
+        overrides = dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                         expert_model_parallel_size=args.expert_model_parallel_size)
+        if args.expert_tensor_parallel_size is not None:
+            overrides["expert_tensor_parallel_size"] = args.expert_tensor_parallel_size
+        if args.bf16:
+            overrides.update(params_dtype=torch.bfloat16, bf16=True)
+        for flag, field in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
+                            ("num_experts", "num_moe_experts"), ("moe_router_topk", "moe_router_topk")):
+            if getattr(args, flag, None) is not None:
+                overrides[field] = getattr(args, flag)
+        self.config = qwen3_moe_config(args.preset, **overrides)
+        margs = qwen3_moe_model_args(args.preset)
+        self.rotary_base = margs["rotary_base"]
+        self.vocab_size = vocab_size
+        self.max_seq_len = args.seq_length
+        self.model = build_gpt_model(self.config, vocab_size, args.seq_length, rotary_base=self.rotary_base,
+                                     expert_seed=args.seed)
+        self.recipe = None
+        if args.quads_train == "aqat":
+            from quads_megatron.megatron import apply_quads
+            from quads_megatron.recipe import QuadsRecipe
+
+            self.recipe = QuadsRecipe.from_json(args.quads_recipe) if args.quads_recipe else QuadsRecipe()
+            self.model = apply_quads(self.model, self.recipe)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                           eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.clip_grad = args.clip_grad
+        self.temperature = args.temperature if args.temperature > 0 else 1.0
+        self.tp = args.tensor_model_parallel_size
+
+    # ------------------------------------------------------------------ parallel helpers
+    @staticmethod
+    def dp_rank_size() -> tuple[int, int]:
+        """(rank, size) in Megatron's data-parallel group: the ranks that see different samples."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    @staticmethod
+    def dp_group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    # ------------------------------------------------------------------ forward
+    def _pad_len(self, n: int) -> int:
+        return n if self.tp == 1 else int(math.ceil(n / self.tp) * self.tp)
+
+    def token_logprobs(self, tokens: torch.Tensor, with_entropy: bool = False):
+        """Log-probs [B, S-1] of tokens[:, 1:] under softmax(logits / temperature); entropy [B, S-1] optionally."""
+        from megatron.core import tensor_parallel
+
+        B, S = tokens.shape
+        Sp = self._pad_len(S)
+        if Sp != S:
+            tokens = torch.cat([tokens, tokens.new_zeros(B, Sp - S)], 1)
+        pos = torch.arange(Sp).unsqueeze(0).expand(B, Sp)
+        logits = self.model(tokens, pos, None)  # [B, Sp, V/TP]
+        logits = logits[:, : S - 1].float() / self.temperature
+        labels = tokens[:, 1:S]
+        if self.tp == 1:
+            logp_all = torch.log_softmax(logits, -1)
+            logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            ent = -(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None
+        else:
+            logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                                                 labels.t().contiguous()).t()
+            ent = None
+            if with_entropy:
+                with torch.no_grad():
+                    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+                    lp = torch.log_softmax(full, -1)
+                    ent = -(lp.exp() * lp).sum(-1)
+        return logp, ent
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> float:
+        """Sync grads the Megatron way, clip by the global norm, step; return the pre-clip grad norm."""
+        from quads_megatron.megatron import sync_grads
+
+        optimizer = optimizer or self.optimizer
+        sync_grads(self.model)
+        norm = self.grad_norm()
+        if self.clip_grad > 0 and math.isfinite(norm) and norm > self.clip_grad:
+            scale = self.clip_grad / (norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        if math.isfinite(norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.recipe is not None:
+            from quads_megatron.megatron import post_optimizer_hook
+
+            post_optimizer_hook(self.model)
+        return norm
+
+    def grad_norm(self) -> float:
+        """L2 norm of all grads over the whole model: TP shards summed over TP, expert shards over EP x ETP."""
+        from megatron.core import parallel_state
+
+        dense_sharded = torch.zeros((), dtype=torch.float64)
+        dense_repl = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            if not getattr(p, "allreduce", True):
+                expert += sq
+            elif getattr(p, "tensor_model_parallel", False):
+                dense_sharded += sq
+            else:
+                dense_repl += sq
+        if dist.is_initialized():
+            tp_g = parallel_state.get_tensor_model_parallel_group()
+            if dist.get_world_size(tp_g) > 1:
+                dist.all_reduce(dense_sharded, group=tp_g)
+            ex_g = parallel_state.get_expert_tensor_and_model_parallel_group()
+            if dist.get_world_size(ex_g) > 1:
+                dist.all_reduce(expert, group=ex_g)
+        return float((dense_sharded + dense_repl + expert).sqrt())
+
+    # ------------------------------------------------------------------ weights
+    def hf_weights(self):
+        """(HF name, tensor) pairs of the full model, gathered over TP/EP (the converter's in-memory path)."""
+        from quads_megatron.convert import iter_hf_weights
+
+        return iter_hf_weights(self.model)
+
+    def hf_config(self):
+        """The transformers Qwen3MoeConfig that describes this model."""
+        from transformers import Qwen3MoeConfig
+
+        from quads_megatron.megatron import hf_qwen3_moe_config_dict
+
+        d = hf_qwen3_moe_config_dict(self.config, self.vocab_size, self.max_seq_len, rotary_base=self.rotary_base)
+        d.pop("model_type", None)
+        return Qwen3MoeConfig(**d)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
