@@ -101,10 +101,12 @@ def _resolve_amax(x: torch.Tensor, per_row: bool, amax) -> torch.Tensor:
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise ValueError(f"amax must be finite and >= 0, got {amax}")
     try:
-        torch.broadcast_shapes(amax.shape, row_shape)
+        ok = tuple(torch.broadcast_shapes(amax.shape, row_shape)) == row_shape
     except RuntimeError:
+        ok = False
+    if not ok:
         raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the row "
-                         f"shape {row_shape} of x") from None
+                         f"shape {row_shape} of x")
     if per_row and amax.ndim == 0:
         amax = amax.expand(row_shape)
     return amax

@@ -1,0 +1,75 @@
+"""Bandwidth of the NVFP4 Triton kernels against a device copy measured in the same run.
+
+    PYTHONPATH=. python3 tools/bench_nvfp4_quantize.py [--rows 8192 --cols 8192]
+
+Bytes counted: each input read once, each output written once (bf16 in: 2 B/elt; packed
+out: 0.5 B + 1/16 B of scales per elt). Median of CUDA-event timings after warm-up,
+rotating over several input buffers so the 60 MB L2 does not serve repeats.
+"""
+
+import argparse
+
+import torch
+import triton.testing
+
+from quads_megatron import nvfp4
+from quads_megatron.nvfp4 import core, triton_kernels
+
+
+def bench(fn, rep_ms=200):
+    return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--cols", type=int, default=8192)
+    ap.add_argument("--buffers", type=int, default=4)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    n = args.rows * args.cols
+    xs = [torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
+          for _ in range(args.buffers)]
+    outs = [torch.empty_like(x) for x in xs]
+    it = {"i": 0}
+
+    def nxt():
+        it["i"] = (it["i"] + 1) % args.buffers
+        return it["i"]
+
+    amax = [nvfp4.amax_of(x) for x in xs]
+    s_enc = [core.global_encode_scale(a) for a in amax]
+    s_dec = [torch.div(1.0, s) for s in s_enc]
+    packed = [triton_kernels.quantize(x, e, d) for x, e, d in zip(xs, s_enc, s_dec)]
+
+    # correctness on this data first
+    ref = core.quantize_reference(xs[0], s_enc[0], s_dec[0])
+    assert torch.equal(packed[0][0], ref[0]) and torch.equal(
+        packed[0][1].view(torch.uint8), ref[1].view(torch.uint8)), "kernel != torch reference"
+
+    rows = []
+
+    def row(name, fn, nbytes):
+        ms = bench(fn)
+        rows.append((name, ms, nbytes / ms / 1e9))
+
+    row("copy (read+write bf16)", lambda: outs[nxt()].copy_(xs[it["i"]]), 4 * n)
+    row("quantize kernel (global scale given)",
+        lambda: triton_kernels.quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]]), 2.5625 * n)
+    row("quantize per-token (amax + kernel)",
+        lambda: nvfp4.quantize(xs[nxt()], per_row=True, check_finite=False), 2.5625 * n)
+    row("quantize per-tensor (amax + kernel)",
+        lambda: nvfp4.quantize(xs[nxt()], check_finite=False), 2.5625 * n)
+    row("dequantize kernel -> bf16",
+        lambda: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]]), 2.5625 * n)
+    row("fake_quantize kernel (bf16 -> bf16)",
+        lambda: triton_kernels.fake_quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]]), 4 * n)
+    copy_bw = rows[0][2]
+    print(f"\nNVFP4 kernels, {args.rows}x{args.cols} bf16, {torch.cuda.get_device_name()}")
+    print(f"{'what':42s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+    for name, ms, bw in rows:
+        print(f"{name:42s} {ms:8.4f} {bw:8.0f} {bw / copy_bw:8.1%}")
+
+
+if __name__ == "__main__":
+    main()
