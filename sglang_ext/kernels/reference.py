@@ -1,0 +1,113 @@
+"""Plain-torch references of `w4a4_linear` and `w4a4_fused_moe`, built on `quads_megatron.nvfp4` and `quads_megatron.rac`.
+
+They define what the Triton kernels compute (fp32 math on dequantized values; the kernels
+accumulate the exact E2M1 x E4M3 products in fp32 and apply the fp32 global scales last):
+- w4a4:     y = dq(q(x)) Wq^T                       (per-token or static activation scale)
+- w4a4_rac: y = dq(q(x)) Wq^T + dq(q(r)) Wq[:, S]^T (see `quads_megatron.rac`)
+- w4a16:    y = x Wq^T
+Fused MoE: fc1 output is rounded to x.dtype (SGLang's intermediate cache), h = SiLU(gate) * up
+in fp32, fc2 rows are scaled by the routing weight, rounded to x.dtype and summed over top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from quads_megatron.nvfp4 import NVFP4Tensor, dequantize
+from quads_megatron.rac import compensated_activation
+
+from ._checks import (check_act_mode, check_activation, check_comp, check_packed_weight,
+                      check_routing)
+
+__all__ = ["w4a4_linear", "w4a4_fused_moe", "dequantize_weight"]
+
+
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """Wq in fp32 from ModelOpt tensors ([N, K//2] with a scalar scale_2, or [E, N, K//2] with [E])."""
+    gs = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device)
+    gs = gs.reshape(-1, 1, 1) if weight.ndim == 3 else gs.reshape(())
+    q = NVFP4Tensor.from_modelopt(weight, weight_scale, gs)
+    return dequantize(q, torch.float32)
+
+
+def _linear_fp32(x2d: torch.Tensor, w: torch.Tensor, act_mode: str,
+                 comp_index: Optional[torch.Tensor], input_scale) -> torch.Tensor:
+    """fp32 y for rows of x against the fp32 weight w [N, K] (comp_index: one set [k] or None)."""
+    if act_mode == "w4a16":
+        return x2d.to(torch.float32) @ w.t()
+    xq, rq = compensated_activation(x2d, comp_index, input_scale)
+    y = xq @ w.t()
+    if rq.shape[-1]:
+        y = y + rq @ w[:, comp_index.long()].t()
+    return y
+
+
+def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                weight_scale_2: torch.Tensor, *, act_mode: str,
+                comp_index: Optional[torch.Tensor] = None, input_scale=None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference W4A4 / W4A4+RAC / W4A16 linear: x [..., K] -> [..., N] in x.dtype."""
+    check_act_mode(act_mode)
+    n, k = check_packed_weight(weight, weight_scale, weight_scale_2, ndim=2, name="weight")
+    check_activation(x, k)
+    comp = check_comp(act_mode, comp_index, k)
+    w = dequantize_weight(weight, weight_scale, weight_scale_2)
+    x2d = x.reshape(-1, k)
+    y = _linear_fp32(x2d, w, act_mode, comp, input_scale)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                   w13_scale_2: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                   w2_scale_2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   *, act_mode: str, w13_comp_index: Optional[torch.Tensor] = None,
+                   w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
+                   w2_input_scale=None) -> torch.Tensor:
+    """Reference NVFP4 MoE: sum_j w_j * fc2_e(SiLU(gate_e) * up_e), e = topk_ids[t, j]."""
+    check_act_mode(act_mode)
+    num_experts = w13.shape[0]
+    two_f, hidden = check_packed_weight(w13, w13_scale, w13_scale_2, ndim=3, name="w13")
+    h_out, f = check_packed_weight(w2, w2_scale, w2_scale_2, ndim=3, name="w2")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [tokens, hidden], got {tuple(x.shape)}")
+    check_activation(x, hidden)
+    if two_f != 2 * f or h_out != hidden or w2.shape[0] != num_experts:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected w13 "
+                         f"[E, 2F, H//2] and w2 [E, H, F//2]")
+    check_routing(topk_weights, topk_ids, x.shape[0], num_experts)
+    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index")
+    if c13 is not None and c13.ndim != 1:
+        raise ValueError("w13_comp_index: fc1 reads the same hidden states for every expert; "
+                         "expected one set per layer [k]")
+    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index")
+    w13f = dequantize_weight(w13, w13_scale, w13_scale_2)
+    w2f = dequantize_weight(w2, w2_scale, w2_scale_2)
+    tokens, topk = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    out_rows = torch.zeros(tokens * topk, hidden, dtype=x.dtype, device=x.device)
+    # fc1 activations are quantized once per token (all experts read the same rows)
+    if act_mode == "w4a16":
+        xq, rq = x.to(torch.float32), None
+    else:
+        xq, rq = compensated_activation(x, c13, w13_input_scale)
+    for e in range(num_experts):
+        rows = (flat_ids == e).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        tok = rows // topk
+        gu = xq[tok] @ w13f[e].t()
+        if rq is not None and rq.shape[-1]:
+            gu = gu + rq[tok] @ w13f[e][:, c13.long()].t()
+        gu = gu.to(x.dtype).to(torch.float32)
+        h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+        if act_mode == "w4a16":
+            h = h.to(x.dtype)
+        ce = None if c2 is None else (c2 if c2.ndim == 1 else c2[e])
+        y = _linear_fp32(h, w2f[e], act_mode, ce, w2_input_scale)
+        out_rows[rows] = (y * topk_weights.reshape(-1)[rows, None].to(torch.float32)).to(x.dtype)
+    return out_rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)
