@@ -1,0 +1,151 @@
+"""TP/EP-consistent NVFP4 fake quantization of Megatron weights (cached per optimizer step) and expert inputs.
+
+The numbers come only from ``quads_megatron.nvfp4`` (or TE through ``te_bridge``); this module
+adds what parallelism needs: the global amax of a sharded weight is the local amax all-reduced
+with MAX over the layer's (expert-)tensor-parallel group, so a gathered fake-quantized shard is
+bit-identical to ``dequantize(quantize(full_weight))``.
+"""
+
+import torch
+import torch.distributed as dist
+
+from quads_megatron import nvfp4
+
+# How a Megatron weight tensor maps onto NVFP4 rows [.., N, K] (K = GEMM reduction dim, last).
+LAYOUTS = ("linear", "grouped_fc1", "grouped_fc2")
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the precomputed fake-quantized value; backward: the gradient, unchanged, to the master weight."""
+
+    @staticmethod
+    def forward(ctx, weight, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    """In-place MAX all-reduce over ``group`` (no-op for a group of one)."""
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+class WeightFakeQuant:
+    """NVFP4 fake quantization of one weight (or a GroupedMLP expert stack) with a per-step cache.
+
+    ``layout``: ``linear`` for a [N, K] Megatron linear weight; ``grouped_fc1`` / ``grouped_fc2``
+    for GroupedMLP's ``weight1`` ([H, E*N], expert e = memory chunk e viewed [H, N]) and
+    ``weight2`` ([E*F, H], expert e = [F, H]), i.e. transposed per-expert matrices.  Each expert
+    (each 2-D linear) gets one global scale from its amax MAX-reduced over ``group``.
+    The cache key is the weight's ``(_version, data_ptr, dtype)``: in-place optimizer updates
+    bump ``_version`` (views share it with their buffer), and ``invalidate()`` clears it.
+    """
+
+    def __init__(self, name, weight, *, layout="linear", num_experts=1, block_shape=(1, 16),
+                 group=None, backend="torch", cache=True):
+        if layout not in LAYOUTS:
+            raise ValueError(f"{name}: unknown weight layout {layout!r}; expected {LAYOUTS}")
+        self.name, self.layout, self.num_experts = name, layout, num_experts
+        self.block_shape, self.group, self.backend, self.cache = tuple(block_shape), group, backend, cache
+        self._key, self._value = None, None
+        n, k = self._to_rows(weight.detach()).shape[-2:]
+        self._check_shape(n, k)
+
+    def _check_shape(self, n, k):
+        ranks = group_size(self.group)
+        if k % 16:
+            raise ValueError(
+                f"{self.name}: per-rank reduction dim K={k} (over {ranks} rank(s) of its tensor-"
+                f"parallel group) is not a multiple of 16, so NVFP4 16-element blocks would "
+                f"straddle the shard boundary; choose a hidden/FFN size with K per rank % 16 == 0")
+        if self.block_shape == (16, 16) and n % 16:
+            raise ValueError(
+                f"{self.name}: per-rank output dim N={n} (over {ranks} rank(s)) is not a multiple "
+                f"of 16, so 16x16 NVFP4 tiles would straddle the shard boundary")
+
+    # -- layouts ---------------------------------------------------------------------------
+    def _to_rows(self, w):
+        if self.layout == "linear":
+            return w
+        e = self.num_experts
+        if self.layout == "grouped_fc1":
+            return w.view(e, w.shape[0], -1).transpose(1, 2)   # [E, N, H]
+        return w.view(e, -1, w.shape[1]).transpose(1, 2)        # [E, H, F]
+
+    def _from_rows(self, rows, like):
+        if self.layout == "linear":
+            return rows
+        return rows.transpose(1, 2).contiguous().view(like.shape)
+
+    # -- numbers ---------------------------------------------------------------------------
+    def global_amax(self, weight) -> torch.Tensor:
+        """Amax of each whole logical matrix (scalar, or [E, 1, 1] for an expert stack)."""
+        rows = self._to_rows(weight.detach())
+        amax = nvfp4.amax_of(rows) if rows.ndim == 2 else \
+            rows.abs().amax(dim=(-2, -1), keepdim=True).to(torch.float32)
+        return all_reduce_max(amax.contiguous(), self.group)
+
+    @torch.no_grad()
+    def compute(self, weight) -> torch.Tensor:
+        """The fake-quantized weight (detached, same shape/dtype as ``weight``), uncached."""
+        rows = self._to_rows(weight.detach())
+        if self.backend == "te":
+            from quads_megatron.megatron import te_bridge
+
+            group = self.group if group_size(self.group) > 1 else None
+            mats = rows if rows.ndim == 3 else rows.unsqueeze(0)
+            out = torch.stack([te_bridge.te_fake_quantize(m, self.block_shape, group) for m in mats])
+            out = out if rows.ndim == 3 else out[0]
+        else:
+            out = nvfp4.fake_quantize(rows, block_shape=self.block_shape,
+                                      amax=self.global_amax(weight), check_finite=False)
+        return self._from_rows(out, weight)
+
+    def value(self, weight) -> torch.Tensor:
+        """Cached ``compute(weight)``: recomputed only when the master weight changed."""
+        if not self.cache:
+            return self.compute(weight)
+        key = (weight._version, weight.data_ptr(), weight.dtype)
+        if self._key != key:
+            self._value, self._key = self.compute(weight), key
+        return self._value
+
+    def __call__(self, weight) -> torch.Tensor:
+        """The fake-quantized weight with a straight-through gradient to ``weight``."""
+        return _StraightThrough.apply(weight, self.value(weight))
+
+    def invalidate(self):
+        self._key, self._value = None, None
+
+
+def fake_quantize_activation(x: torch.Tensor, scaling: str, group=None,
+                             k_sharded: bool = False) -> torch.Tensor:
+    """NVFP4 fake quant (straight-through) of a GEMM input, per token or per tensor.
+
+    The amax is MAX-reduced over ``group`` when the input's K is sharded across it
+    (row-parallel inputs), and for per-tensor scaling (tokens may be sequence-sharded).
+    """
+    if x.numel() == 0:
+        return x
+    if x.shape[-1] % 16:
+        raise ValueError(f"activation of shape {tuple(x.shape)}: K={x.shape[-1]} is not a "
+                         f"multiple of 16 (NVFP4 blocks)")
+    if scaling == "per_token":
+        amax = nvfp4.amax_of(x.detach(), per_row=True).contiguous()
+        if k_sharded:
+            all_reduce_max(amax, group)
+        return nvfp4.fake_quantize(x, per_row=True, amax=amax, check_finite=False)
+    if scaling == "per_tensor":
+        amax = all_reduce_max(nvfp4.amax_of(x.detach()).contiguous(), group)
+        return nvfp4.fake_quantize(x, amax=amax, check_finite=False)
+    raise ValueError(f"unknown activation scaling {scaling!r}; expected 'per_token' or 'per_tensor'")
