@@ -119,8 +119,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ pieces of a step
     def sync_weights(self):
         """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch."""
-        self.engine.update_weights(self.policy.hf_weights())
-        if hasattr(self.engine, "calibrate") and self.args.rollout_precision == "quads":
+        self.engine.update_weights(self.policy.hf_weights(self.args.rollout_engine == "sglang"))
+        if hasattr(self.engine, "calibrate") and self.args.rollout_precision != "bf16":
             calib = self.task.train_batch(16, seed=-1)
             self.engine.calibrate([encode_prompt(self.tokenizer, s.prompt) for s in calib])
 

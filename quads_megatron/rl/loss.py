@@ -31,7 +31,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom: torch.Tensor | float
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref) for samples from pi: exp(ref-logp) - (ref-logp) - 1 >= 0."""
     d = (ref_logp - logp).clamp(-20.0, 20.0)
-    return torch.exp(d) - d - 1.0
+    return (torch.exp(d) - d - 1.0).clamp_min(0.0)
 
 
 def policy_loss(

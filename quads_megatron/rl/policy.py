@@ -141,11 +141,20 @@ class MegatronPolicy:
         return float((dense_sharded + dense_repl + expert).sqrt())
 
     # ------------------------------------------------------------------ weights
-    def hf_weights(self):
-        """(HF name, tensor) pairs of the full model, gathered over TP/EP (the converter's in-memory path)."""
+    def hf_weights(self, quantized: bool = False):
+        """(HF name, tensor) pairs of the full model, gathered over TP/EP (the converter's in-memory path).
+
+        quantized: routed experts come out as ModelOpt NVFP4 triples (what an SGLang quads server loads).
+        """
         from quads_megatron.convert import iter_hf_weights
 
-        return iter_hf_weights(self.model)
+        scope = None
+        if quantized:
+            from quads_megatron.convert.nvfp4_export import QuantScope
+
+            block = tuple(self.recipe.block_shape) if self.recipe is not None else (1, 16)
+            scope = QuantScope(block_shape=block)
+        return iter_hf_weights(self.model, vocab_size=self.vocab_size, scope=scope)
 
     def hf_config(self):
         """The transformers Qwen3MoeConfig that describes this model."""

@@ -99,10 +99,10 @@ class LocalEngine(RolloutEngine):
         return params[key].data
 
     def calibrate(self, prompts: list[list[int]]) -> None:
-        """Pick RAC compensation channels from activations of these prompts (quads precision only)."""
+        """Pick RAC channels (used by quads) and measure activation errors from these prompts' activations."""
         from .precision import calibrate_rac
 
-        if self.precision == "quads":
+        if self.precision != "bf16":
             calibrate_rac(self.model, self._quantized, lambda: self._forward_full(prompts), **self.quant_options)
 
     def quant_error_report(self) -> dict[str, float]:

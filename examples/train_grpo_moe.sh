@@ -1,0 +1,28 @@
+''':'
+# GRPO on a Qwen3-MoE: Megatron-Core trainer (AQAT) + QUADS NVFP4 rollouts, logged to TensorBoard.
+#
+# This file is both a bash script and a Python program, so all of these work:
+#   torchrun examples/train_grpo_moe.sh                                   # tiny default, 1 process
+#   torchrun --nproc-per-node 2 examples/train_grpo_moe.sh --expert-model-parallel-size 2
+#   bash examples/train_grpo_moe.sh [flags]     # launches torchrun (NPROC_PER_NODE, default 1)
+#   python examples/train_grpo_moe.sh --help    # every flag
+# The bash part below re-runs this file under torchrun with the repository's .venv if present.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || command -v python)"; fi
+fi
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "${NPROC_PER_NODE:-1}" "${BASH_SOURCE[0]}" "$@"
+'''
+"""GRPO on a Qwen3-MoE with QUADS NVFP4 rollouts (see the comment above for how to launch)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns processes that re-import __main__
+    from quads_megatron.rl.loop import main
+
+    main(sys.argv[1:])
