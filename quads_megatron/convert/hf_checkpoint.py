@@ -118,8 +118,10 @@ class HFCheckpoint:
         """Rows ``start:stop`` of dim 0 without reading the rest of the tensor."""
         return self._slice(name)[start:stop]
 
-    def validate(self, expected: dict, *, dtype: torch.dtype | None = None, what: str = "config.json"):
-        """Check names and shapes (and one dtype, if given) against ``{name: shape}`` from the config.
+    def validate(self, expected: dict, *, dtype: torch.dtype | None = None, dtypes: dict | None = None,
+                 what: str = "config.json"):
+        """Check names and shapes against ``{name: shape}`` from the config, and dtypes: one for every
+        tensor (``dtype``) or per name (``dtypes``, names it lacks are not checked).
 
         Raises CheckpointError naming the first offending tensors: missing, unexpected, wrong shape
         or wrong dtype.
@@ -138,9 +140,10 @@ class HFCheckpoint:
             if shape != tuple(expected[name]):
                 raise CheckpointError(f"{self.path}: tensor {name} ({self.weight_map[name]}) has shape "
                                       f"{list(shape)}, {what} implies {list(expected[name])}")
-            if dtype is not None and self.dtype(name) != dtype:
+            want = dtype if dtype is not None else (dtypes or {}).get(name)
+            if want is not None and self.dtype(name) != want:
                 raise CheckpointError(f"{self.path}: tensor {name} ({self.weight_map[name]}) has dtype "
-                                      f"{self.dtype(name)}, expected {dtype}")
+                                      f"{self.dtype(name)}, expected {want}")
 
     def close(self) -> None:
         self._handles.clear()

@@ -6,6 +6,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.convert import qwen3_moe
+from quads_megatron.convert.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,36 @@ class QuantScope:
         excluded = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"]
         excluded += [f"model.layers.{layer}.mlp.experts*" for layer in sorted(self.bf16_layers)]
         return excluded
+
+
+def scope_from_recipe(recipe, dims: qwen3_moe.Dims) -> QuantScope:
+    """The export scope of a ``QuadsRecipe`` for this model.
+
+    Qwen3-MoE has only routed experts to quantize ("shared_experts"/"dense_mlp" match nothing);
+    "attention" is not exported in NVFP4 yet.  BF16 carve-outs: the first/last N layers, and
+    ``bf16_patterns`` (fnmatch on Megatron module names with global layer and expert indices,
+    e.g. ``decoder.layers.3.mlp.*``) -- a fused MoE layer is NVFP4 or BF16 as a whole, so a
+    pattern must cover all experts of a layer or none.
+    """
+    import fnmatch
+
+    if "attention" in recipe.scope:
+        raise CheckpointError("QuadsRecipe.scope 'attention': the rollout exporter quantizes routed experts "
+                              "only; drop 'attention' from the scope")
+    if "routed_experts" not in recipe.scope:
+        return QuantScope(tuple(recipe.block_shape), frozenset(range(dims.num_layers)))
+    bf16 = set(range(recipe.bf16_first_layers))
+    bf16 |= set(range(max(0, dims.num_layers - recipe.bf16_last_layers), dims.num_layers))
+    for layer in range(dims.num_layers):
+        modules = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}"
+                   for e in range(dims.num_experts) for fc in ("linear_fc1", "linear_fc2")]
+        hits = [m for m in modules if any(fnmatch.fnmatchcase(m, p) for p in recipe.bf16_patterns)]
+        if hits and len(hits) != len(modules):
+            raise CheckpointError(f"QuadsRecipe.bf16_patterns keep {hits[0]} BF16 but not all experts of layer "
+                                  f"{layer}; a fused MoE layer must be all NVFP4 or all BF16")
+        if hits:
+            bf16.add(layer)
+    return QuantScope(tuple(recipe.block_shape), frozenset(bf16))
 
 
 def _base(name: str) -> str:

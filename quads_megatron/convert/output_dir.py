@@ -24,7 +24,11 @@ def make_temp_dir(path) -> Path:
     """A fresh hidden directory beside ``path`` (same filesystem, so the final rename is atomic)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the checkpoint should look like any other dir
+    return tmp
 
 
 def commit_temp_dir(tmp, path) -> None:

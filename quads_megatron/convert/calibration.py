@@ -1,0 +1,159 @@
+"""Calibrate the rollout checkpoint's activation side: per-expert input amax (``input_scale``) and RAC channels.
+
+The BF16 HF model runs the calibration prompts; a pre-hook on every layer's ``mlp.experts``
+captures its input hidden states and routing.  As ModelOpt does for MoE calibration, every
+token counts for every expert's amax (so no expert is left uncalibrated); the RAC error
+statistics of fc2 use the tokens actually routed to each expert (all tokens for an expert that
+received none).  fc1 gets one channel set per layer, fc2 one per expert (``quads_megatron.rac``).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from quads_megatron import nvfp4, rac
+from quads_megatron.convert.errors import CheckpointError
+
+
+@dataclasses.dataclass
+class LayerCalibration:
+    """One MoE layer: fc1/fc2 input amax ([] and [E]) and, with RAC, the channel sets ([k] and [E, k])."""
+
+    fc1_amax: torch.Tensor
+    fc2_amax: torch.Tensor
+    fc1_comp_index: torch.Tensor | None = None
+    fc2_comp_index: torch.Tensor | None = None
+
+
+def load_prompts(path, tokenizer_dir, *, num_samples: int, seq_len: int) -> list:
+    """Token id tensors from a .txt (one prompt per line) or .jsonl ("text"/"prompt" field) file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"calibration data not found: {path}")
+    texts = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{path}:{i + 1}: not JSON ({e})") from None
+            text = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise CheckpointError(f"{path}:{i + 1}: expected a 'text' or 'prompt' string field")
+            texts.append(text)
+        else:
+            texts.append(line)
+        if len(texts) == num_samples:
+            break
+    if not texts:
+        raise CheckpointError(f"{path}: no calibration prompts")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{tokenizer_dir}: cannot load a tokenizer for the calibration prompts ({e}); "
+                              "pass --tokenizer-dir") from None
+    return [torch.tensor(tok(t)["input_ids"][:seq_len], dtype=torch.long) for t in texts]
+
+
+def random_prompts(vocab_size: int, *, num_samples: int, seq_len: int, seed: int = 0) -> list:
+    """Seeded random token sequences: the calibration set of tiny test models without a tokenizer."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (seq_len,), generator=g) for _ in range(num_samples)]
+
+
+def _capture_expert_inputs(model, run):
+    """Run ``run()`` with a pre-hook on each layer's experts; yield per call {layer: (x [T, H], topk [T, k])}."""
+    captured, handles = {}, []
+    for idx, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+
+        def hook(module, args, kwargs, idx=idx):
+            x = args[0] if args else kwargs["hidden_states"]
+            topk = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            captured[idx] = (x.detach().to(torch.float32), topk.detach())
+
+        handles.append(experts.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _fc2_inputs(experts, x, e):
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e].to(torch.float32)).chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def _for_each_batch(model, prompts, desc, progress, fn):
+    device = next(model.parameters()).device
+    for ids in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
+        captured = _capture_expert_inputs(model, lambda: model(ids.unsqueeze(0).to(device)))
+        for layer, (x, topk) in captured.items():
+            fn(layer, model.model.layers[layer].mlp.experts, x, topk)
+
+
+@torch.no_grad()
+def calibrate(model, prompts, *, rac_channels: int = 0, static_scaling: bool = False,
+              quantized_weights=None, progress: bool = True) -> dict:
+    """``{layer: LayerCalibration}`` for a transformers Qwen3MoeForCausalLM on ``prompts``.
+
+    quantized_weights(layer) -> (w13 [E, 2F, H], w2 [E, H, F]) dequantized NVFP4 weights, whose
+    column norms rank the RAC channels (``rac.calibrate_comp_channels``); needed if rac_channels.
+    static_scaling: RAC statistics use the static ``input_scale`` (else per-token scaling).
+    """
+    model.eval()
+    num_layers = len(model.model.layers)
+    E = model.config.num_experts
+    fc1_amax = torch.zeros(num_layers)
+    fc2_amax = torch.zeros(num_layers, E)
+
+    def amax_pass(layer, experts, x, topk):
+        fc1_amax[layer] = torch.maximum(fc1_amax[layer], nvfp4.amax_of(x).cpu())
+        for e in range(E):
+            fc2_amax[layer, e] = torch.maximum(fc2_amax[layer, e], nvfp4.amax_of(_fc2_inputs(experts, x, e)).cpu())
+
+    _for_each_batch(model, prompts, "calibrate amax", progress, amax_pass)
+    result = {layer: LayerCalibration(fc1_amax[layer].clone(), fc2_amax[layer].clone()) for layer in range(num_layers)}
+    if not rac_channels:
+        return result
+    if quantized_weights is None:
+        raise ValueError("calibrate(rac_channels=...) needs quantized_weights")
+    H, F = model.config.hidden_size, model.config.moe_intermediate_size
+    for name, K in (("hidden_size", H), ("moe_intermediate_size", F)):
+        if rac_channels > K or rac_channels % nvfp4.BLOCK_SIZE:
+            raise CheckpointError(f"--rac-channels {rac_channels}: must be a multiple of {nvfp4.BLOCK_SIZE} "
+                                  f"and <= {name}={K}")
+    scale = (lambda a: nvfp4.global_decode_scale(a)) if static_scaling else (lambda a: None)
+    stats = {layer: (rac.ActivationStats(H, input_scale=scale(fc1_amax[layer])),
+                     [rac.ActivationStats(F, input_scale=scale(fc2_amax[layer, e])) for e in range(E)],
+                     [rac.ActivationStats(F, input_scale=scale(fc2_amax[layer, e])) for e in range(E)])
+             for layer in range(num_layers)}
+
+    def stats_pass(layer, experts, x, topk):
+        fc1, routed, everything = stats[layer]
+        fc1.update(x)
+        for e in range(E):
+            act = _fc2_inputs(experts, x, e)
+            everything[e].update(act)
+            rows = (topk == e).any(dim=-1)
+            routed[e].update(act[rows])
+
+    _for_each_batch(model, prompts, "calibrate RAC", progress, stats_pass)
+    for layer in range(num_layers):
+        fc1, routed, everything = stats[layer]
+        w13, w2 = quantized_weights(layer)
+        fc1_norm = rac.weight_column_norm_sq(w13, per_expert=False)          # [H], summed over experts
+        fc2_norm = rac.weight_column_norm_sq(w2, per_expert=True)            # [E, F]
+        sq2 = torch.stack([(r if r.count.item() > 0 else a).mean_sq_err() for r, a in zip(routed, everything)])
+        result[layer].fc1_comp_index = rac.calibrate_comp_channels(fc1, fc1_norm, rac_channels)
+        result[layer].fc2_comp_index = rac.calibrate_comp_channels(sq2, fc2_norm, rac_channels)
+    return result

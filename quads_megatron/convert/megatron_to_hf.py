@@ -1,0 +1,113 @@
+"""``quads-convert-megatron-to-hf``: a Megatron torch_dist Qwen3-MoE checkpoint (any layout) -> HF safetensors.
+
+The checkpoint is loaded into a model of this run's layout (1 process by default; under torchrun
+with TP/EP flags each rank loads only its shards) and streamed out through ``iter_hf_weights``:
+rank 0 writes size-capped shards, then re-opens the result and checks every tensor against the
+config before the temporary directory is renamed onto ``--save-dir``.
+"""
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from quads_megatron.convert import cli, qwen3_moe
+from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
+                                                  read_json, write_json)
+from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="quads-convert-megatron-to-hf", description=__doc__.splitlines()[0])
+    p.add_argument("--load-dir", required=True, help="Megatron torch_dist checkpoint (or Megatron-LM save dir)")
+    p.add_argument("--save-dir", required=True, help="output HF checkpoint directory")
+    p.add_argument("--hf-config", default=None,
+                   help="config.json (or its directory) when the checkpoint does not carry one")
+    p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer/generation files from this HF directory")
+    p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="bf16", help="dtype of the written tensors")
+    p.add_argument("--max-shard-size", default="5GB")
+    cli.add_parallel_args(p)
+    cli.add_output_args(p)
+    return p.parse_args(argv)
+
+
+def load_hf_config(args) -> dict:
+    if args.hf_config:
+        path = Path(args.hf_config)
+        return read_json(path / "config.json" if path.is_dir() else path, "--hf-config")
+    from quads_megatron.convert.megatron_checkpoint import read_hf_config
+
+    return read_hf_config(args.load_dir)
+
+
+def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtype, force=False, dry_run=False,
+                        max_shard_bytes: int, tokenizer_dir=None):
+    """Write ``(name, tensor)`` pairs + config.json as an HF checkpoint, validated before it appears."""
+    dims = qwen3_moe.dims_from_hf_config(hf_config)
+    expected = qwen3_moe.hf_shapes(dims)
+    config = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
+    if dry_run:
+        writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes=max_shard_bytes, dry_run=True)
+        for name, t in weights:
+            writer.add(name, t)
+        print(format_listing(writer.listing, writer.close() + ["config.json"]))
+        return None
+    with atomic_output_dir(save_dir, force=force) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
+        for name, t in weights:
+            if name not in expected:
+                raise CheckpointError(f"model produced tensor {name}, which config.json does not describe")
+            writer.add(name, t.to(dtype))
+        writer.close()
+        write_json(tmp / "config.json", config)
+        if tokenizer_dir:
+            for f in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / f).is_file():
+                    shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+        with HFCheckpoint(tmp) as written:
+            written.validate(expected, dtype=dtype)
+    return Path(save_dir)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from quads_megatron.convert.live import iter_hf_weights
+    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+    from quads_megatron.megatron.parallel import initialize_distributed
+
+    tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    initialize_distributed(tp=tp, ep=ep, etp=etp)
+    rank0 = dist.get_rank() == 0
+    if rank0 and not args.dry_run:
+        check_output_path(args.save_dir, force=args.force)
+    hf_config = load_hf_config(args)
+    model = build_model_from_hf_config(
+        hf_config, tp=tp, ep=ep, etp=etp, spec="te" if args.transformer_impl == "transformer_engine" else "local",
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    load_megatron_checkpoint(model, args.load_dir)
+    dims = qwen3_moe.dims_from_hf_config(hf_config)
+    weights = iter_hf_weights(model, vocab_size=dims.vocab_size, progress=rank0 and not args.no_progress)
+    if rank0:
+        out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
+                                  dry_run=args.dry_run, max_shard_bytes=cli.parse_size(args.max_shard_size),
+                                  tokenizer_dir=args.tokenizer_dir)
+        if out is not None:
+            print(f"wrote {out}")
+    else:
+        for _ in weights:  # take part in the gathers
+            pass
+    dist.barrier()
+
+
+def console_main():
+    raise SystemExit(cli.run(main))
+
+
+if __name__ == "__main__":
+    console_main()
