@@ -1,0 +1,136 @@
+"""Public rollout ops `w4a4_linear` and `w4a4_fused_moe` (docs/interfaces.md): validation, dispatch, launches.
+
+Dispatch: CUDA tensors (or TRITON_INTERPRET=1) run the Triton kernels; on SM100+ with
+FlashInfer installed, the dense W4A4 linear takes the native FP4 path (`blackwell.py`);
+CPU tensors without the interpreter run the torch reference (the same function, slower).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import reference
+from ._checks import (check_act_mode, check_activation, check_comp, check_packed_weight,
+                      check_routing)
+from .act_quant import quantize_activation_rac
+from .gemm import default_config, interpreting, launch_gemm
+from .routing import moe_align_block_size
+
+__all__ = ["w4a4_linear", "w4a4_fused_moe"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or interpreting()
+
+
+def _same_device(x: torch.Tensor, **tensors) -> None:
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
+
+
+def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                weight_scale_2: torch.Tensor, *, act_mode: str,
+                comp_index: Optional[torch.Tensor] = None, input_scale=None,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x Wq^T (+ bias) with NVFP4 weights; act_mode w4a4 | w4a4_rac | w4a16. x [..., K] -> [..., N]."""
+    check_act_mode(act_mode)
+    n, k = check_packed_weight(weight, weight_scale, weight_scale_2, ndim=2, name="weight")
+    check_activation(x, k)
+    comp = check_comp(act_mode, comp_index, k)
+    if comp is not None and comp.ndim != 1:
+        raise ValueError("comp_index: a dense linear takes one set [k]")
+    _same_device(x, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2,
+                 comp_index=comp, bias=bias)
+    if not _use_triton(x):
+        return reference.w4a4_linear(x, weight, weight_scale, weight_scale_2, act_mode=act_mode,
+                                     comp_index=comp_index, input_scale=input_scale, bias=bias)
+    if act_mode == "w4a4" and x.is_cuda:
+        from . import blackwell
+
+        if blackwell.available(x.device):
+            return blackwell.w4a4_linear_fp4(x, weight, weight_scale, weight_scale_2,
+                                             input_scale, bias)
+    x2d = x.reshape(-1, k).contiguous()
+    m = x2d.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    w, ws, ws2 = weight.unsqueeze(0), weight_scale.unsqueeze(0), weight_scale_2.reshape(1)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    if act_mode == "w4a16":
+        launch_gemm(x2d, None, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
+    else:
+        qa = quantize_activation_rac(x2d, comp, input_scale)
+        r = None if comp is None else (qa.r_data, qa.r_scale, qa.r_s_dec)
+        launch_gemm(qa.data, qa.scale, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp,
+                    bias=b)
+    return out.view(*x.shape[:-1], n)
+
+
+def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                   w13_scale_2: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                   w2_scale_2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   *, act_mode: str, w13_comp_index: Optional[torch.Tensor] = None,
+                   w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
+                   w2_input_scale=None) -> torch.Tensor:
+    """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
+    check_act_mode(act_mode)
+    num_experts = w13.shape[0]
+    two_f, hidden = check_packed_weight(w13, w13_scale, w13_scale_2, ndim=3, name="w13")
+    h_out, f = check_packed_weight(w2, w2_scale, w2_scale_2, ndim=3, name="w2")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [tokens, hidden], got {tuple(x.shape)}")
+    check_activation(x, hidden)
+    if two_f != 2 * f or h_out != hidden or w2.shape[0] != num_experts:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected w13 "
+                         f"[E, 2F, H//2] and w2 [E, H, F//2]")
+    check_routing(topk_weights, topk_ids, x.shape[0], num_experts)
+    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index")
+    if c13 is not None and c13.ndim != 1:
+        raise ValueError("w13_comp_index: fc1 reads the same hidden states for every expert; "
+                         "expected one set per layer [k]")
+    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index")
+    _same_device(x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights,
+                 w13_comp_index=c13, w2_comp_index=c2)
+    if not _use_triton(x):
+        return reference.w4a4_fused_moe(
+            x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
+            act_mode=act_mode, w13_comp_index=w13_comp_index, w2_comp_index=w2_comp_index,
+            w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
+    tokens, topk = topk_ids.shape
+    m = tokens * topk
+    out = torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    cfg1 = default_config(m / num_experts, two_f, hidden)
+    cfg2 = default_config(m / num_experts, hidden, f)._replace(block_m=cfg1.block_m)
+    routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
+    ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
+    ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
+    inter = torch.empty(m, two_f, dtype=x.dtype, device=x.device)
+    if act_mode == "w4a16":
+        launch_gemm(x, None, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
+                    routing=routing, a_row_div=topk, config=cfg1)
+        g, u = inter.to(torch.float32).split(f, dim=-1)
+        h = (torch.nn.functional.silu(g) * u).to(x.dtype)
+    else:
+        qa = quantize_activation_rac(x, c13, w13_input_scale)
+        r = None if c13 is None else (qa.r_data, qa.r_scale, qa.r_s_dec)
+        launch_gemm(qa.data, qa.scale, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
+                    comp_index=c13, routing=routing, a_row_div=topk, config=cfg1)
+    rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    if act_mode == "w4a16":
+        launch_gemm(h, None, None, w2, w2_scale, ws2_2, rows, m=m, w4a16=True, routing=routing,
+                    topk_weights=tw, config=cfg2)
+    else:
+        groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
+        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True)
+        r = None if c2 is None else (qh.r_data, qh.r_scale, qh.r_s_dec)
+        launch_gemm(qh.data, qh.scale, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
+                    comp_index=c2, routing=routing, topk_weights=tw, config=cfg2)
+    return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)
