@@ -1,1 +1,5 @@
-"""QUADS rollout side: the SGLang "quads" quantization method, its W4A4 NVFP4 kernels and RAC."""
+"""QUADS rollout side: the `--quantization quads` SGLang plugin and the W4A4 NVFP4 (+RAC) kernels.
+
+This package file imports nothing, so `sglang_ext.kernels` works without SGLang installed;
+`sglang_ext.plugin.register` (the `sglang.srt.plugins` entry point) is what touches SGLang.
+"""

@@ -1,0 +1,100 @@
+"""`QuadsConfig`: SGLang's `--quantization quads` (NVFP4 weights, W4A4 + RAC activations).
+
+Reads a QUADS checkpoint's `quantization_config` (or a plain ModelOpt NVFP4 one; schema in
+`sglang_ext.checkpoint_format`) and hands out `QuadsLinearMethod` / `QuadsMoEMethod`.
+Exclusion patterns follow ModelOpt's rules (it subclasses SGLang's `ModelOptQuantConfig`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from sglang.srt.layers.quantization.base_config import QuantizeMethodBase
+from sglang.srt.layers.quantization.modelopt_quant import ModelOptQuantConfig
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+from .checkpoint_format import (QUANT_METHOD, QuadsSettings, is_modelopt_nvfp4,
+                                parse_quantization_config)
+
+logger = logging.getLogger(__name__)
+
+
+class QuadsConfig(ModelOptQuantConfig):
+    """The `quads` quantization method: ModelOpt NVFP4 tensors served by QUADS' W4A4 kernels."""
+
+    def __init__(self, settings: QuadsSettings,
+                 packed_modules_mapping: Optional[Dict[str, List[str]]] = None):
+        super().__init__(kv_cache_quant_algo=None, exclude_modules=list(settings.exclude_modules),
+                         packed_modules_mapping=packed_modules_mapping or {})
+        self.settings = settings
+
+    # --- identity --------------------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> List[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        """Hopper: the Triton W4A4 path dequantizes NVFP4 tiles to BF16 tensor-core MMA."""
+        return 90
+
+    # --- construction ----------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "QuadsConfig":
+        """From config.json's `quantization_config` or hf_quant_config.json (SGLang adds keys)."""
+        config = dict(config)
+        packed = config.pop("packed_modules_mapping", None) or {}
+        config.pop("hf_config", None)
+        settings = parse_quantization_config(config)
+        logger.info("quads: %s", settings.to_dict())
+        return cls(settings, packed)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:
+        """Keep `quads` when asked for, also over a ModelOpt NVFP4 checkpoint.
+
+        SGLang asks every registered config in order and the first answer wins; the plugin
+        registers `quads` first so ModelOpt's override cannot turn `--quantization quads`
+        into `modelopt_fp4`. Without `--quantization quads` a ModelOpt checkpoint stays ModelOpt.
+        """
+        if not hf_quant_cfg:
+            return None
+        is_quads = str(hf_quant_cfg.get("quant_method", "")).lower() == QUANT_METHOD
+        if user_quant == QUANT_METHOD and (is_quads or is_modelopt_nvfp4(hf_quant_cfg)):
+            return QUANT_METHOD
+        if user_quant is None and is_quads:
+            return QUANT_METHOD
+        return None
+
+    # --- per-layer methods -----------------------------------------------------------
+    def is_excluded(self, prefix: str) -> bool:
+        """True when the module at `prefix` stays in the model dtype (ModelOpt pattern rules)."""
+        return (is_layer_skipped(prefix, self.exclude_modules, self.packed_modules_mapping)
+                or self.is_layer_excluded(prefix))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str
+                         ) -> Optional[QuantizeMethodBase]:
+        from sglang.srt.layers.linear import LinearBase
+        from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+        from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+        from .linear_method import QuadsLinearMethod
+        from .moe_method import QuadsMoEMethod
+
+        if isinstance(layer, (LinearBase, ParallelLMHead)):
+            if self.is_excluded(prefix):
+                return UnquantizedLinearMethod()
+            return QuadsLinearMethod(self, prefix)
+        if isinstance(layer, FusedMoE):
+            if self.is_layer_excluded(prefix):
+                return None
+            return QuadsMoEMethod(self, prefix)
+        return None
