@@ -51,7 +51,7 @@ def main():
 
     def row(name, fn, nbytes):
         ms = bench(fn)
-        rows.append((name, ms, nbytes / ms / 1e9))
+        rows.append((name, ms, nbytes / ms / 1e6))
 
     row("copy (read+write bf16)", lambda: outs[nxt()].copy_(xs[it["i"]]), 4 * n)
     row("quantize kernel (global scale given)",
@@ -64,6 +64,17 @@ def main():
         lambda: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]]), 2.5625 * n)
     row("fake_quantize kernel (bf16 -> bf16)",
         lambda: triton_kernels.fake_quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]]), 4 * n)
+    for br, bk, w in [(8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8), (32, 256, 8),
+                      (64, 128, 8), (64, 256, 8)]:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        row(f"  quantize kernel tile {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]],
+                                                tile=t), 2.5625 * n)
+        row(f"  dequantize kernel tile {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]], tile=t),
+            2.5625 * n)
+    row("amax kernel per-tensor", lambda: triton_kernels.amax(xs[nxt()]), 2 * n)
+    row("amax kernel per-row", lambda: triton_kernels.amax(xs[nxt()], True), 2 * n)
     copy_bw = rows[0][2]
     print(f"\nNVFP4 kernels, {args.rows}x{args.cols} bf16, {torch.cuda.get_device_name()}")
     print(f"{'what':42s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")

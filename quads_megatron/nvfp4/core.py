@@ -93,9 +93,13 @@ def _check_input(x: torch.Tensor, block_shape: BlockShape, per_row: bool, check_
     return block_shape
 
 
-def _resolve_amax(x: torch.Tensor, per_row: bool, amax) -> torch.Tensor:
+def _resolve_amax(x: torch.Tensor, per_row: bool, amax, triton_ok: bool = False) -> torch.Tensor:
     row_shape = (*x.shape[:-1], 1)
     if amax is None:
+        if triton_ok:
+            from . import triton_kernels
+
+            return triton_kernels.amax(x, per_row)
         return amax_of(x, per_row)
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
@@ -199,10 +203,10 @@ def quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE), per_
     check_finite=False skips the NaN/Inf check (a host sync) on hot paths.
     """
     block_shape = _check_input(x, block_shape, per_row, check_finite)
-    amax_t = _resolve_amax(x, per_row, amax)
-    s_enc = global_encode_scale(amax_t)
+    use_triton = _use_triton(x, block_shape)
+    s_enc = global_encode_scale(_resolve_amax(x, per_row, amax, use_triton))
     s_dec = torch.div(1.0, s_enc)
-    if _use_triton(x, block_shape):
+    if use_triton:
         from . import triton_kernels
 
         data, scale = triton_kernels.quantize(x, s_enc, s_dec)
@@ -233,7 +237,7 @@ class _FakeQuantize(torch.autograd.Function):
             from . import triton_kernels
 
             _check_input(x, block_shape, per_row, check_finite)
-            s_enc = global_encode_scale(_resolve_amax(x, per_row, amax))
+            s_enc = global_encode_scale(_resolve_amax(x, per_row, amax, True))
             return triton_kernels.fake_quantize(x, s_enc, torch.div(1.0, s_enc))
         q = quantize(x, block_shape=block_shape, per_row=per_row, amax=amax,
                      check_finite=check_finite)

@@ -36,13 +36,18 @@ if triton is not None:
 
     @triton.jit
     def e2m1_encode(v):
-        """fp32 values already scaled into [-6, 6] -> uint8 E2M1 codes (RNE, TE's ties)."""
+        """fp32 values already scaled into [-6, 6] -> uint8 E2M1 codes (RNE, TE's ties).
+
+        On [0, 2] the grid step is 0.5, on (2, 4] it is 1, on (4, 6] it is 2: the code is
+        round-half-even(|v| / step) plus 0, 2 or 4. The integer rounding reads the low
+        mantissa bits of |v| / step + 1.5 * 2^23 (exact for the small values here).
+        """
         a = tl.abs(v)
-        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
+        inv_step = tl.where(a <= 2.0, 2.0, tl.where(a <= 4.0, 1.0, 0.5))
+        offset = tl.where(a <= 2.0, 0, tl.where(a <= 4.0, 2, 4))
+        k = (a * inv_step + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
         sign = (v < 0).to(tl.int32)
-        return (mag | (sign << 3)).to(tl.uint8)
+        return ((k + offset) | (sign << 3)).to(tl.uint8)
 
     @triton.jit
     def e2m1_decode(code):
@@ -111,69 +116,120 @@ if triton is not None:
     def _quantize_kernel(x_ptr, q_ptr, s_ptr, dq_ptr, senc_ptr, sdec_ptr, R, K,
                          PER_ROW: tl.constexpr, FAKE: tl.constexpr, OUT_BF16: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # the tile is loaded as [rows, 16-blocks, 8 pairs, 2] so that block reductions and
+        # nibble packing need no data movement between threads
+        NB: tl.constexpr = BLOCK_K // 16
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        blocks = pid_k * NB + tl.arange(0, NB)
         rmask = rows < R
-        mask = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
+        bmask = rmask[:, None] & (blocks < K // 16)[None, :]                     # [R, NB]
+        r4 = rows.to(tl.int64)[:, None, None, None]
+        b4 = blocks[None, :, None, None]
+        p4 = tl.arange(0, 8)[None, None, :, None]
+        e4 = tl.arange(0, 2)[None, None, None, :]
+        offs = r4 * K + b4 * 16 + p4 * 2 + e4
+        mask4 = bmask[:, :, None, None] & (p4 >= 0) & (e4 >= 0)
+        x = tl.load(x_ptr + offs, mask=mask4, other=0.0).to(tl.float32)
         if PER_ROW:
             s_enc = tl.load(senc_ptr + rows, mask=rmask, other=1.0)[:, None]
             s_dec = tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None]
         else:
             s_enc = tl.load(senc_ptr)
             s_dec = tl.load(sdec_ptr)
-        codes, sf_bits, sf_val = nvfp4_block_quantize(x, s_enc, s_dec, BLOCK_K // 16, BLOCK_R)
+        vmax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)                        # [R, NB]
+        sf = tl.minimum(vmax * (s_enc * 0.16666666666666666), 448.0)
+        sf_bits = e4m3_encode(sf)
+        sf_val = e4m3_decode(sf_bits)
+        enc = tl.minimum(tl.math.div_rn(tl.full(sf_val.shape, 1.0, tl.float32), sf_val * s_dec),
+                         3.4028234663852886e38)
+        scaled = tl.minimum(tl.maximum(x * enc[:, :, None, None], -6.0), 6.0)
+        codes = e2m1_encode(scaled)
         if FAKE:
-            vals = tl.reshape(e2m1_decode(codes), (BLOCK_R, BLOCK_K // 16, 16))
-            dq = tl.reshape(vals * sf_val[:, :, None], (BLOCK_R, BLOCK_K)) * s_dec
-            offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-            if OUT_BF16:
-                tl.store(dq_ptr + offs, bf16_round(dq).to(tl.uint16), mask=mask)
+            dq = e2m1_decode(codes) * sf_val[:, :, None, None]
+            if PER_ROW:
+                dq = dq * s_dec[:, :, None, None]
             else:
-                tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=mask)
+                dq = dq * s_dec
+            if OUT_BF16:
+                tl.store(dq_ptr + offs, bf16_round(dq).to(tl.uint16), mask=mask4)
+            else:
+                tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=mask4)
         else:
-            lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
-            packed = lo | (hi << 4)
-            pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-            pmask = rmask[:, None] & (pcols < K // 2)[None, :]
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], packed,
-                     mask=pmask)
-            scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-            smask = rmask[:, None] & (scols < K // 16)[None, :]
-            tl.store(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + scols[None, :], sf_bits,
-                     mask=smask)
+            lo, hi = tl.split(codes)
+            packed = lo | (hi << 4)                                              # [R, NB, 8]
+            r3 = rows.to(tl.int64)[:, None, None]
+            poffs = r3 * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+            tl.store(q_ptr + poffs, packed, mask=bmask[:, :, None])
+            tl.store(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blocks[None, :], sf_bits,
+                     mask=bmask)
 
     @triton.jit
     def _dequantize_kernel(q_ptr, s_ptr, sdec_ptr, out_ptr, R, K,
                            PER_ROW: tl.constexpr, OUT_BF16: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        NB: tl.constexpr = BLOCK_K // 16
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        blocks = pid_k * NB + tl.arange(0, NB)
         rmask = rows < R
-        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(q_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :],
-                         mask=rmask[:, None] & (pcols < K // 2)[None, :], other=0)
-        scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        sbits = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + scols[None, :],
-                        mask=rmask[:, None] & (scols < K // 16)[None, :], other=0)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_K))
-        vals = tl.reshape(e2m1_decode(codes), (BLOCK_R, BLOCK_K // 16, 16))
+        bmask = rmask[:, None] & (blocks < K // 16)[None, :]
+        r3 = rows.to(tl.int64)[:, None, None]
+        poffs = r3 * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        packed = tl.load(q_ptr + poffs, mask=bmask[:, :, None], other=0)
+        sbits = tl.load(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blocks[None, :],
+                        mask=bmask, other=0)
+        vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))   # [R, NB, 8, 2]
+        out = vals * e4m3_decode(sbits)[:, :, None, None]
         if PER_ROW:
-            s_dec = tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None]
+            out = out * tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None, None, None]
         else:
-            s_dec = tl.load(sdec_ptr)
-        out = tl.reshape(vals * e4m3_decode(sbits)[:, :, None], (BLOCK_R, BLOCK_K)) * s_dec
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = rmask[:, None] & (cols < K)[None, :]
-        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+            out = out * tl.load(sdec_ptr)
+        p4 = tl.arange(0, 8)[None, None, :, None]
+        e4 = tl.arange(0, 2)[None, None, None, :]
+        offs = rows.to(tl.int64)[:, None, None, None] * K + blocks[None, :, None, None] * 16 \
+            + p4 * 2 + e4
+        mask4 = bmask[:, :, None, None] & (p4 >= 0) & (e4 >= 0)
         if OUT_BF16:
-            tl.store(out_ptr + offs, bf16_round(out).to(tl.uint16), mask=mask)
+            tl.store(out_ptr + offs, bf16_round(out).to(tl.uint16), mask=mask4)
         else:
-            tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _amax_kernel(x_ptr, out_ptr, R, K, PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """max|x| per row (PER_ROW) or of the whole tensor (atomic max), in fp32."""
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        acc = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                        mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        row_max = tl.max(acc, axis=1)
+        if PER_ROW:
+            tl.store(out_ptr + rows, row_max, mask=rmask)
+        else:
+            tl.atomic_max(out_ptr, tl.max(row_max, axis=0))
+
+
+def amax(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """Triton max|x| in fp32 (a scalar, or `[..., 1]` per row): one read of x."""
+    _require_triton()
+    x = x.contiguous()
+    rows, k = _launch_shape(x.shape)
+    out = torch.zeros(rows if per_row else 1, dtype=torch.float32, device=x.device)
+    block_r, block_k = (4, 1024) if k >= 1024 else (32, _block_k(k))
+    _amax_kernel[(triton.cdiv(rows, block_r),)](x, out, rows, k, PER_ROW=per_row,
+                                                  BLOCK_R=block_r, BLOCK_K=block_k)
+    return out.view(*x.shape[:-1], 1) if per_row else out.view(())
 
 
 def _scale_layout(s: torch.Tensor, rows: int, lead: tuple) -> tuple:
@@ -200,7 +256,17 @@ def _launch_shape(x_shape) -> tuple:
     return rows, k
 
 
-def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor) -> tuple:
+TILE = {"block_r": 32, "block_k": 128, "num_warps": 4}
+"""Launch shape of the elementwise kernels (tuned on the H200: docs/benchmarks.md)."""
+
+
+def _tile(k: int, tile) -> tuple:
+    t = dict(TILE, **(tile or {}))
+    block_k = t["block_k"] if k % t["block_k"] == 0 else _block_k(k)
+    return t["block_r"], min(block_k, max(16, triton.next_power_of_2(k))), t["num_warps"]
+
+
+def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, tile=None) -> tuple:
     """Triton NVFP4 1x16 quantization of `x` given its global scales: (data, scale)."""
     _require_triton()
     x = x.contiguous()
@@ -209,14 +275,16 @@ def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor) -> tuple
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
     data = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
-    block_r, block_k = 32, _block_k(k)
+    block_r, block_k, warps = _tile(k, tile)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](x, data, scale, data, senc, sdec, rows, k, PER_ROW=per_row,
-                           FAKE=False, OUT_BF16=False, BLOCK_R=block_r, BLOCK_K=block_k)
+                           FAKE=False, OUT_BF16=False, BLOCK_R=block_r, BLOCK_K=block_k,
+                           num_warps=warps)
     return data, scale.view(torch.float8_e4m3fn)
 
 
-def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
+                  tile=None) -> torch.Tensor:
     """One pass x -> dequantize(quantize(x)) in x's dtype (no packed intermediate)."""
     _require_triton()
     x = x.contiguous()
@@ -225,15 +293,15 @@ def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor) -> 
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
     bf16 = x.dtype == torch.bfloat16
     out = torch.empty(x.shape, dtype=torch.uint16 if bf16 else x.dtype, device=x.device)
-    block_r, block_k = 32, _block_k(k)
+    block_r, block_k, warps = _tile(k, tile)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](x, out, out, out, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
-                           OUT_BF16=bf16, BLOCK_R=block_r, BLOCK_K=block_k)
+                           OUT_BF16=bf16, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
     return out.view(torch.bfloat16) if bf16 else out
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               dtype: torch.dtype = torch.bfloat16, tile=None) -> torch.Tensor:
     """Triton NVFP4 1x16 dequantization to `dtype` (bf16 rounded RNE, like torch's cast)."""
     _require_triton()
     data = data.contiguous()
@@ -244,8 +312,8 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     bf16 = dtype == torch.bfloat16
     out = torch.empty((*data.shape[:-1], k), dtype=torch.uint16 if bf16 else dtype,
                       device=data.device)
-    block_r, block_k = 32, _block_k(k)
+    block_r, block_k, warps = _tile(k, tile)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](data, scale, sdec, out, rows, k, PER_ROW=per_row, OUT_BF16=bf16,
-                             BLOCK_R=block_r, BLOCK_K=block_k)
+                             BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
     return out.view(torch.bfloat16) if bf16 else out
