@@ -225,6 +225,29 @@ def post_optimizer_hook(model):
             target.invalidate()
 
 
+def _torch_optimizers(optimizer):
+    """The torch.optim optimizers inside a Megatron (chained / mixed-precision) or torch optimizer."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for sub in optimizer.chained_optimizers for o in _torch_optimizers(sub)]
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None:
+        return _torch_optimizers(inner)
+    raise TypeError(f"register_post_optimizer_hook: cannot find a torch optimizer in "
+                    f"{type(optimizer).__name__}")
+
+
+def register_post_optimizer_hook(optimizer, model):
+    """Run ``post_optimizer_hook(model)`` after every ``optimizer.step()`` (torch or Megatron optimizer).
+
+    Megatron copies the updated main params into the model after its inner torch step; the
+    caches are only marked stale here and refilled at the next forward, so the order is safe.
+    """
+    return [o.register_step_post_hook(lambda *args, **kwargs: post_optimizer_hook(model))
+            for o in _torch_optimizers(optimizer)]
+
+
 def quads_targets(model) -> dict:
     """{module name: QuadsTarget} of a converted model (empty if not converted)."""
     return getattr(unwrap_model(model), "quads_targets", None) or {}

@@ -47,8 +47,10 @@ class WeightFakeQuant:
     for GroupedMLP's ``weight1`` ([H, E*N], expert e = memory chunk e viewed [H, N]) and
     ``weight2`` ([E*F, H], expert e = [F, H]), i.e. transposed per-expert matrices.  Each expert
     (each 2-D linear) gets one global scale from its amax MAX-reduced over ``group``.
-    The cache key is the weight's ``(_version, data_ptr, dtype)``: in-place optimizer updates
-    bump ``_version`` (views share it with their buffer), and ``invalidate()`` clears it.
+    The cache key is the weight's ``(_version, data_ptr, dtype)``: a torch optimizer's in-place
+    update of the Parameter bumps ``_version``.  Megatron's mixed-precision and distributed
+    optimizers write through ``param.data`` / the DDP param buffer, which does NOT bump it, so
+    ``invalidate()`` (``aqat.post_optimizer_hook``) must run after every optimizer step.
     """
 
     def __init__(self, name, weight, *, layout="linear", num_experts=1, block_shape=(1, 16),
