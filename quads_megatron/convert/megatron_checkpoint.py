@@ -22,11 +22,13 @@ HF_CONFIG_KEY = "hf_config"
 
 
 def build_model_from_hf_config(hf_config: dict, *, tp: int = 1, ep: int = 1, etp=None, spec: str = "local",
-                               params_dtype: torch.dtype = torch.bfloat16, make_vocab_size_divisible_by: int = 128):
+                               params_dtype: torch.dtype = torch.bfloat16, make_vocab_size_divisible_by: int = 128,
+                               **model_kwargs):
     """A Megatron GPTModel with the architecture of ``hf_config`` for the current parallel layout.
 
     Needs ``quads_megatron.megatron.initialize_distributed(tp=..., ep=..., etp=...)`` first.
-    Experts keep Megatron's initialisation (the weights are loaded right after).
+    Experts keep Megatron's initialisation (the weights are loaded right after); ``model_kwargs``
+    go to ``build_gpt_model`` (e.g. ``parallel_output=False``).
     """
     from quads_megatron.megatron.model import build_gpt_model
     from quads_megatron.megatron.presets import qwen3_moe_config
@@ -40,7 +42,7 @@ def build_model_from_hf_config(hf_config: dict, *, tp: int = 1, ep: int = 1, etp
     return build_gpt_model(
         config, vocab, int(hf_config.get("max_position_embeddings", 4096)), spec=spec,
         rotary_base=qwen3_moe.rope_theta(hf_config), expert_seed=None,
-        share_embeddings_and_output_weights=dims.tie_word_embeddings)
+        share_embeddings_and_output_weights=dims.tie_word_embeddings, **model_kwargs)
 
 
 def _rank() -> int:
