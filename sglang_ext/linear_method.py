@@ -117,8 +117,8 @@ class QuadsLinearMethod(LinearMethodBase):
             layer.register_parameter(pname, p)
         if rac:
             layer.register_parameter("input_comp_index", PerShardIndexParameter(
-                torch.full((shards * k,), _UNSET_INDEX, dtype=torch.int32), weight_loader, shards,
-                f"{name}.input_comp_index"))
+                data=torch.full((shards * k,), _UNSET_INDEX, dtype=torch.int32),
+                weight_loader=weight_loader, num_shards=shards, name=f"{name}.input_comp_index"))
 
     # --- after loading (runs again at the end of every RL weight update) ---------------
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
