@@ -2,11 +2,13 @@
 
 Dispatch: CUDA tensors (or TRITON_INTERPRET=1) run the Triton kernels; on SM100+ with
 FlashInfer installed, the dense W4A4 linear takes the native FP4 path (`blackwell.py`);
-CPU tensors without the interpreter run the torch reference (the same function, slower).
+CPU tensors run the torch reference (the same function) unless QUADS_KERNELS_ON_CPU=triton
+and Triton's interpreter is on (TRITON_INTERPRET=1), as in the kernel tests.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -22,7 +24,11 @@ __all__ = ["w4a4_linear", "w4a4_fused_moe"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or interpreting()
+    """CUDA tensors run the kernels; CPU tensors run them in Triton's interpreter only when
+    QUADS_KERNELS_ON_CPU=triton (kernel tests), else the torch reference (faster on CPU)."""
+    if x.is_cuda:
+        return True
+    return interpreting() and os.environ.get("QUADS_KERNELS_ON_CPU", "reference") == "triton"
 
 
 def _same_device(x: torch.Tensor, **tensors) -> None:

@@ -1,0 +1,291 @@
+"""Triton W4A4 / W4A4+RAC / W4A16 kernels against their torch references (interpreter on CPU, real GPU with -m gpu)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from quads_megatron.nvfp4 import dequantize, quantize
+from quads_megatron.nvfp4.triton_kernels import e2m1_decode, e4m3_decode
+from quads_megatron.rac import quantize_compensated
+from sglang_ext.kernels import reference, w4a4_fused_moe, w4a4_linear
+from sglang_ext.kernels.act_quant import quantize_activation_rac
+from sglang_ext.kernels.gemm import decode_words_f16, interpreting
+from sglang_ext.kernels.routing import moe_align_block_size
+
+CUDA = torch.cuda.is_available()
+cpu_kernels = pytest.mark.skipif(CUDA or not interpreting(),
+                                 reason="CPU kernel tests need TRITON_INTERPRET=1 and no GPU")
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on_cpu(monkeypatch):
+    monkeypatch.setenv("QUADS_KERNELS_ON_CPU", "triton")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def packed(shape, device, std=0.05, gen=None):
+    """Random weight [.., N, K] quantized per matrix: (data, scale, scale_2)."""
+    w = torch.randn(*shape, generator=gen) * std
+    if w.ndim == 2:
+        q = quantize(w)
+        return q.data.to(device), q.scale.to(device), q.global_scale.reshape(()).to(device)
+    qs = [quantize(m) for m in w]
+    return (torch.stack([q.data for q in qs]).to(device),
+            torch.stack([q.scale for q in qs]).to(device),
+            torch.stack([q.global_scale.reshape(()) for q in qs]).to(device))
+
+
+def activations(m, k, dtype, device, gen, outliers=(3,), factor=30.0):
+    x = torch.randn(m, k, generator=gen) * (0.5 + torch.rand(k, generator=gen))
+    x[:, list(outliers)] *= factor
+    return x.to(dtype).to(device)
+
+
+def comp(k_total, k, gen, groups=None):
+    if groups is None:
+        return torch.sort(torch.randperm(k_total, generator=gen)[:k]).values.int()
+    return torch.stack([torch.sort(torch.randperm(k_total, generator=gen)[:k]).values
+                        for _ in range(groups)]).int()
+
+
+# ---- decode and activation quantization: bit-exact -------------------------------------
+@triton.jit
+def _decode_probe(w_ptr, pk_ptr, s_ptr, out_ptr, ref_ptr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    words = tl.load(w_ptr + r[:, None] * (C // 8) + tl.arange(0, C // 8)[None, :])
+    sb = tl.load(s_ptr + r[:, None] * (C // 16) + tl.arange(0, C // 16)[None, :])
+    fast = decode_words_f16(words.to(tl.uint32, bitcast=True), sb, R, C).to(tl.float32)
+    tl.store(out_ptr + r[:, None] * C + tl.arange(0, C)[None, :], fast)
+    pk = tl.load(pk_ptr + r[:, None] * (C // 2)
+                 + tl.arange(0, C // 2)[None, :])
+    codes = tl.reshape(tl.join(pk & 0xF, pk >> 4), (R, C))
+    vals = tl.reshape(e2m1_decode(codes), (R, C // 16, 16)) * e4m3_decode(sb)[:, :, None]
+    tl.store(ref_ptr + r[:, None] * C + tl.arange(0, C)[None, :],
+             tl.reshape(vals, (R, C)) * 0.0078125)
+
+
+def _check_decode(device):
+    # every byte value (both nibbles), under every e4m3 scale exponent range
+    data = torch.arange(256, dtype=torch.uint8).repeat(16).view(16, 256)
+    scales = torch.randint(0, 127, (16, 32), dtype=torch.uint8)
+    scales[0] = torch.arange(0, 127, 4, dtype=torch.uint8)[:32]
+    out = torch.empty(16, 512, device=device)
+    ref = torch.empty(16, 512, device=device)
+    _decode_probe[(1,)](data.to(device).view(torch.int32), data.to(device), scales.to(device), out, ref, 16, 512)
+    assert torch.equal(out, ref)
+    q = quantize(torch.ones(16, 512))  # the lead's torch dequantize defines the order of values
+    q.data, q.scale, q.global_scale = data, scales.view(torch.float8_e4m3fn), torch.tensor(2.0 ** -7)
+    assert torch.equal(ref.cpu(), dequantize(q, torch.float32))
+
+
+@cpu_kernels
+def test_decode_words_exhaustive_cpu():
+    _check_decode("cpu")
+
+
+@gpu
+def test_decode_words_exhaustive_gpu():
+    _check_decode("cuda")
+
+
+def _check_act_quant(device, dtype, static, grouped, m, k_in, k):
+    gen = torch.Generator().manual_seed(m * 7 + k_in)
+    x = activations(m, k_in, dtype, device, gen)
+    groups = torch.randint(0, 3, (m,), generator=gen).to(device) if grouped else None
+    ci = comp(k_in, k, gen, 3 if grouped else None).to(device)
+    iscale = torch.tensor(float(x.float().abs().max()) / 2688 * 0.7) if static else None
+    qa = quantize_activation_rac(x, ci, iscale, groups)
+    qx, qr = quantize_compensated(x, ci, iscale, groups)
+    assert torch.equal(qa.data, qx.data)
+    assert torch.equal(qa.scale, qx.scale.view(torch.uint8))
+    assert torch.equal(qa.s_dec, qx.global_scale.reshape(-1).expand(m).to(device))
+    assert torch.equal(qa.r_data, qr.data)
+    assert torch.equal(qa.r_scale, qr.scale.view(torch.uint8))
+    assert torch.equal(qa.r_s_dec, qr.global_scale.reshape(-1))
+
+
+@cpu_kernels
+@pytest.mark.parametrize("dtype,static,grouped,m,k_in,k", [
+    (torch.bfloat16, False, False, 5, 48, 16),    # K = 16 * 3
+    (torch.float32, True, False, 3, 80, 32),
+    (torch.bfloat16, False, True, 6, 272, 48),   # per-expert sets, K > one block
+])
+def test_act_quant_bit_exact_cpu(dtype, static, grouped, m, k_in, k):
+    _check_act_quant("cpu", dtype, static, grouped, m, k_in, k)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,static,grouped", [(torch.bfloat16, False, False),
+                                                  (torch.float32, True, False),
+                                                  (torch.bfloat16, False, True)])
+def test_act_quant_bit_exact_gpu(dtype, static, grouped):
+    _check_act_quant("cuda", dtype, static, grouped, 77, 2064, 64)
+
+
+# ---- dense linear ----------------------------------------------------------------------
+def _check_linear(device, mode, dtype, m, n, k_in, k, static=False, bias=False, tol=None):
+    gen = torch.Generator().manual_seed(m + n + k_in)
+    x = activations(m, k_in, dtype, device, gen)
+    wd, ws, ws2 = packed((n, k_in), device, gen=gen)
+    ci = comp(k_in, k, gen).to(device)
+    iscale = torch.tensor(float(x.float().abs().max()) / 2688) if static else None
+    b = torch.randn(n, generator=gen).to(device) if bias else None
+    kw = dict(act_mode=mode, comp_index=ci, input_scale=iscale, bias=b)
+    out = w4a4_linear(x, wd, ws, ws2, **kw)
+    ref = reference.w4a4_linear(x.cpu(), wd.cpu(), ws.cpu(), ws2.cpu(), act_mode=mode,
+                                comp_index=ci.cpu(), input_scale=iscale,
+                                bias=None if b is None else b.cpu())
+    assert out.shape == (m, n) and out.dtype == dtype and torch.isfinite(out).all()
+    # fp32 outputs: fp32 accumulation level; bf16 outputs: at most a few bf16 roundings
+    assert rel(out.cpu(), ref) < (tol or (2e-6 if dtype == torch.float32 else 4e-3))
+
+
+@cpu_kernels
+@pytest.mark.parametrize("mode,dtype,m,n,k_in,k,static,bias", [
+    ("w4a4_rac", torch.float32, 5, 48, 272, 32, False, True),   # K = 16 * 17
+    ("w4a4", torch.float32, 1, 32, 80, 0, False, False),        # M = 1, K = 16 * 5
+    ("w4a4_rac", torch.bfloat16, 17, 40, 64, 16, True, False),  # M % 16 != 0, static scale
+    ("w4a16", torch.bfloat16, 3, 24, 48, 0, False, False),
+])
+def test_linear_matches_reference_cpu(mode, dtype, m, n, k_in, k, static, bias):
+    _check_linear("cpu", mode, dtype, m, n, k_in, k, static, bias)
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype,m", [("w4a4_rac", torch.float32, 1),
+                                          ("w4a4_rac", torch.bfloat16, 333),
+                                          ("w4a4", torch.bfloat16, 64),
+                                          ("w4a16", torch.bfloat16, 200)])
+def test_linear_matches_reference_gpu(mode, dtype, m):
+    _check_linear("cuda", mode, dtype, m, 1536, 2048 + 48, 64, bias=True)
+
+
+def _check_rac_helps(device):
+    gen = torch.Generator().manual_seed(5)
+    m, n, k_in = 16, 64, 256
+    outl = (3, 77, 140, 201)
+    x = activations(m, k_in, torch.float32, device, gen, outliers=outl)
+    wd, ws, ws2 = packed((n, k_in), device, gen=gen)
+    wq = reference.dequantize_weight(wd.cpu(), ws.cpu(), ws2.cpu())
+    y_bf16 = (x.cpu().to(torch.bfloat16).float() @ wq.t())
+    # calibrated set: the outlier channels' blocks carry the error
+    from quads_megatron.rac import ActivationStats, calibrate_comp_channels, weight_column_norm_sq
+
+    stats = ActivationStats(k_in)
+    stats.update(x.cpu())
+    ci = calibrate_comp_channels(stats, weight_column_norm_sq(wq), 32).to(device)
+    e_naive = rel(w4a4_linear(x, wd, ws, ws2, act_mode="w4a4").cpu(), y_bf16)
+    e_rac = rel(w4a4_linear(x, wd, ws, ws2, act_mode="w4a4_rac", comp_index=ci).cpu(), y_bf16)
+    assert e_rac < 0.8 * e_naive, (e_rac, e_naive)
+
+
+@cpu_kernels
+def test_rac_lowers_error_against_bf16_cpu():
+    _check_rac_helps("cpu")
+
+
+@gpu
+def test_rac_lowers_error_against_bf16_gpu():
+    _check_rac_helps("cuda")
+
+
+# ---- fused MoE -------------------------------------------------------------------------
+def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None):
+    gen = torch.Generator().manual_seed(t + h + e)
+    x = activations(t, h, dtype, device, gen)
+    w13 = packed((e, 2 * f, h), device, gen=gen)
+    w2 = packed((e, h, f), device, gen=gen)
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, e - 1] = -1e4  # one expert gets no tokens
+    tw, ti = torch.topk(logits.softmax(-1), topk)
+    tw, ti = tw.to(device), ti.int().to(device)
+    c13 = comp(h, 16, gen).to(device)
+    c2 = comp(f, 16, gen, e if per_expert else None).to(device)
+    kw = dict(act_mode=mode, w13_comp_index=c13, w2_comp_index=c2)
+    out = w4a4_fused_moe(x, *w13, *w2, tw, ti, **kw)
+    cpu = lambda ts: [t_.cpu() for t_ in ts]  # noqa: E731
+    kw_cpu = dict(act_mode=mode, w13_comp_index=c13.cpu(), w2_comp_index=c2.cpu())
+    ref = reference.w4a4_fused_moe(x.cpu(), *cpu(w13), *cpu(w2), tw.cpu(), ti.cpu(), **kw_cpu)
+    assert out.shape == (t, h) and torch.isfinite(out).all()
+    assert rel(out.cpu(), ref) < (tol or (3e-6 if dtype == torch.float32 else 8e-3))
+
+
+@cpu_kernels
+@pytest.mark.parametrize("mode,dtype,t,per_expert", [
+    ("w4a4_rac", torch.float32, 7, True),
+    ("w4a4", torch.bfloat16, 1, False),   # one token
+    ("w4a16", torch.bfloat16, 5, False),
+])
+def test_fused_moe_matches_reference_cpu(mode, dtype, t, per_expert):
+    _check_moe("cpu", mode, dtype, t, 64, 48, 5, 2, per_expert)
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype,t", [("w4a4_rac", torch.float32, 3),
+                                          ("w4a4_rac", torch.bfloat16, 300),
+                                          ("w4a4", torch.bfloat16, 40),
+                                          ("w4a16", torch.bfloat16, 100)])
+def test_fused_moe_matches_reference_gpu(mode, dtype, t):
+    _check_moe("cuda", mode, dtype, t, 512, 384, 16, 4, True)
+
+
+def test_routing_sorts_by_expert_and_pads():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 2]], dtype=torch.int32)  # expert 3 empty
+    r = moe_align_block_size(ids, 4, 4)
+    n = int(r.num_tokens_post_padded)
+    flat = ids.flatten()
+    assert n == 4 + 4 + 8  # experts 0, 1, 2 padded to 4, 4, 8 (2 + 1 + 5 rows)
+    seen = []
+    for b in range(n // 4):
+        block = r.sorted_ids[4 * b: 4 * b + 4]
+        real = block[block < flat.numel()]
+        assert (flat[real.long()] == r.expert_ids[b]).all()
+        seen += real.tolist()
+    assert sorted(seen) == list(range(flat.numel()))
+    assert (r.sorted_ids[n:] == flat.numel()).all()
+
+
+# ---- bad input -------------------------------------------------------------------------
+def test_bad_inputs_give_clear_errors():
+    gen = torch.Generator().manual_seed(0)
+    wd, ws, ws2 = packed((32, 64), "cpu", gen=gen)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="uint8"):
+        w4a4_linear(x, torch.randn(32, 64).bfloat16(), ws, ws2, act_mode="w4a4")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        w4a4_linear(x, wd, ws.float(), ws2, act_mode="w4a4")
+    with pytest.raises(ValueError, match="does not match"):
+        w4a4_linear(torch.randn(4, 48), wd, ws, ws2, act_mode="w4a4")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        w4a4_linear(torch.randn(4, 24), wd[:, :12], ws[:, :1], ws2, act_mode="w4a4")
+    with pytest.raises(ValueError, match="bfloat16/float16/float32"):
+        w4a4_linear(x.to(torch.int32), wd, ws, ws2, act_mode="w4a4")
+    with pytest.raises(ValueError, match="act_mode"):
+        w4a4_linear(x, wd, ws, ws2, act_mode="fp8")
+    with pytest.raises(ValueError, match="needs compensation"):
+        w4a4_linear(x, wd, ws, ws2, act_mode="w4a4_rac")
+    with pytest.raises(ValueError, match="out of range"):
+        w4a4_linear(x, wd, ws, ws2, act_mode="w4a4_rac",
+                    comp_index=torch.arange(50, 66, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        w4a4_linear(x, wd, ws, ws2, act_mode="w4a4_rac",
+                    comp_index=torch.arange(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="sorted"):
+        w4a4_linear(x, wd, ws, ws2, act_mode="w4a4_rac",
+                    comp_index=torch.arange(16, dtype=torch.int32).flip(0))
+    w13 = packed((3, 64, 64), "cpu", gen=gen)
+    w2 = packed((3, 64, 32), "cpu", gen=gen)
+    tw = torch.full((4, 2), 0.5)
+    with pytest.raises(ValueError, match="expert id out of range"):
+        w4a4_fused_moe(x, *w13, *w2, tw, torch.tensor([[0, 3]] * 4, dtype=torch.int32),
+                       act_mode="w4a4")
+    with pytest.raises(ValueError, match="one set per layer"):
+        w4a4_fused_moe(x, *w13, *w2, tw, torch.zeros(4, 2, dtype=torch.int32),
+                       act_mode="w4a4_rac",
+                       w13_comp_index=torch.arange(16, dtype=torch.int32).repeat(3, 1),
+                       w2_comp_index=torch.arange(16, dtype=torch.int32))
