@@ -44,6 +44,7 @@ _QWEN3_MOE_COMMON = dict(
     moe_router_score_function="softmax",
     moe_router_pre_softmax=False,
     moe_router_load_balancing_type="aux_loss",
+    moe_router_dtype="fp32",         # router GEMM + softmax in fp32 (HF softmaxes in fp32 too)
     moe_token_dispatcher_type="alltoall",
     moe_grouped_gemm=False,
     hidden_dropout=0.0,
