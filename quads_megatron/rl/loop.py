@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -161,7 +162,7 @@ class GRPOTrainer:
                                        token_denom=denom)
                 loss.backward()
                 w = float(mb.mask.sum() / denom) / self.steps_per_rollout
-                stats["loss"] += float(loss) / self.steps_per_rollout
+                stats["loss"] += loss.item() / self.steps_per_rollout
                 for k, v in st.items():
                     stats[k] += float(v) * w
                 stats["entropy"] += float(masked_mean(ent, mb.mask)) * w
@@ -206,8 +207,8 @@ class GRPOTrainer:
             loss.backward()
             self.policy.optimizer_step(opt)
             if it % 20 == 0 or it == a.sft_iters - 1:
-                _print(f"[sft] iter {it + 1}/{a.sft_iters} loss {float(loss):.4f} ({time.perf_counter() - t0:.1f}s)")
-        self.logger.text("sft", f"{a.sft_iters} warm-up steps, final loss {float(loss):.4f}")
+                _print(f"[sft] iter {it + 1}/{a.sft_iters} loss {loss.item():.4f} ({time.perf_counter() - t0:.1f}s)")
+        self.logger.text("sft", f"{a.sft_iters} warm-up steps, final loss {loss.item():.4f}")
 
     # ------------------------------------------------------------------ the job
     def run(self) -> dict:
@@ -234,7 +235,7 @@ class GRPOTrainer:
             self.logger.log(0, {"eval/pass@1": pass_before}, line=False)
         _print(f"pass@1 before GRPO: {pass_before:.3f}" if pass_before is not None else "")
         bar = None
-        if _rank0() and not a.no_tqdm:
+        if _rank0() and not a.no_tqdm and sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=a.train_iters, initial=start, desc="GRPO", dynamic_ncols=True, leave=False)
@@ -307,6 +308,7 @@ class GRPOTrainer:
             "mean_logprob_abs_diff": sum(h["gap"] for h in steps) / len(steps) if steps else None,
             "rollout_precision": self.args.rollout_precision, "quads_train": self.args.quads_train,
             "tensorboard_dir": str(self.args.tensorboard_dir),
+            "history": steps,
         }
         if _rank0():
             fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
