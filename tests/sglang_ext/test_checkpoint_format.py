@@ -1,0 +1,59 @@
+"""The quads `quantization_config` schema: round trip, ModelOpt forms, env overrides, clear errors (no SGLang)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_ext.checkpoint_format import QuadsSettings, is_modelopt_nvfp4, parse_quantization_config
+
+MODELOPT_NESTED = {"producer": {"name": "modelopt"},
+                   "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                    "exclude_modules": ["lm_head"]}}
+
+
+def test_round_trip():
+    s = QuadsSettings(activation_mode="w4a4_rac", rac_num_channels=32, exclude_modules=["lm_head"])
+    qc = s.to_quantization_config()
+    assert qc["quant_method"] == "quads" and qc["quant_algo"] == "NVFP4"
+    assert parse_quantization_config(qc, env={}) == s
+
+
+@pytest.mark.parametrize("cfg,mode", [
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}, "w4a4"),
+    (MODELOPT_NESTED, "w4a4"),
+    ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, "w4a4"),  # SGLang-parsed form
+    ({"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}, "w4a16"),
+])
+def test_modelopt_forms(cfg, mode):
+    assert is_modelopt_nvfp4(cfg)
+    s = parse_quantization_config(cfg, env={})
+    assert (s.source, s.activation_mode, s.activation_scaling, s.uses_rac) == \
+        ("modelopt", mode, "static", False)
+
+
+def test_env_overrides_turn_rac_on_for_modelopt():
+    s = parse_quantization_config(MODELOPT_NESTED, env={
+        "QUADS_ACTIVATION_MODE": "w4a4_rac", "QUADS_RAC_NUM_CHANNELS": "32",
+        "QUADS_ACTIVATION_SCALING": "per_token"})
+    assert (s.activation_mode, s.rac_num_channels, s.activation_scaling) == ("w4a4_rac", 32, "per_token")
+    assert s.exclude_modules == ["lm_head"]
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"quant_method": "quads", "activation_mode": "w8a8"}, "activation_mode"),
+    ({"quant_method": "quads", "activation_mode": "w4a4_rac", "rac_num_channels": 0}, "rac_num_channels > 0"),
+    ({"quant_method": "quads", "rac_num_channels": 20}, "multiple of 16"),
+    ({"quant_method": "quads", "group_size": 32}, "group_size"),
+    ({"quant_method": "quads", "activation_scaling": "per_channel"}, "activation_scaling"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "ModelOpt NVFP4"),
+    ({"quant_method": "awq"}, "expected quant_method 'quads'"),
+])
+def test_bad_configs_name_the_field(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        parse_quantization_config(cfg, env={})
+
+
+def test_bad_env_value():
+    with pytest.raises(ValueError, match="QUADS_RAC_NUM_CHANNELS"):
+        parse_quantization_config({"quant_method": "quads", "rac_num_channels": 16},
+                                  env={"QUADS_RAC_NUM_CHANNELS": "many"})
