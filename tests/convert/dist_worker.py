@@ -1,0 +1,52 @@
+"""torchrun worker for test_megatron_roundtrip: every check that needs a TP=2 / EP=2 gloo layout, in one launch.
+
+argv: HF_DIR TP1_MEGATRON_DIR OUT_DIR.  Writes under OUT_DIR:
+  mg_tp2ep2/           HF -> Megatron written by TP=2, EP=2 (ETP=1)
+  hf_tp2ep2_same/      that checkpoint -> HF, loaded in the same layout
+  hf_tp1_in_tp2ep2/    the TP=1 checkpoint -> HF, loaded in TP=2 / EP=2
+  logits_tp2ep2.pt     fp32 Megatron logits (TP=2 / EP=2) of the fixed ids
+  live_nvfp4.pt        iter_hf_weights(scope=QuantScope()) from the TP=2 / EP=2 model (rank 0)
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+LAYOUT = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+          "--expert-tensor-parallel-size", "1", "--no-progress"]
+
+
+def main():
+    hf_dir, tp1_dir, out = sys.argv[1:4]
+    from quads_megatron.convert import hf_to_megatron, megatron_to_hf
+    from quads_megatron.convert.hf_checkpoint import HFCheckpoint
+    from quads_megatron.convert.live import iter_hf_weights
+    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+    from quads_megatron.convert.nvfp4_export import QuantScope
+
+    hf_to_megatron.main(["--load-dir", hf_dir, "--save-dir", f"{out}/mg_tp2ep2", *LAYOUT])
+    megatron_to_hf.main(["--load-dir", f"{out}/mg_tp2ep2", "--save-dir", f"{out}/hf_tp2ep2_same", *LAYOUT])
+    megatron_to_hf.main(["--load-dir", tp1_dir, "--save-dir", f"{out}/hf_tp1_in_tp2ep2", *LAYOUT])
+
+    config = HFCheckpoint(hf_dir).config
+    model = build_model_from_hf_config(config, tp=2, ep=2, etp=1, params_dtype=torch.float32,
+                                       parallel_output=False)
+    load_megatron_checkpoint(model, f"{out}/mg_tp2ep2")
+    model.eval()
+    ids = torch.arange(32).remainder(config["vocab_size"]).reshape(2, 16) * 7 % config["vocab_size"]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(16).expand(2, -1), None)
+    live = {}
+    for name, t in iter_hf_weights(model, vocab_size=config["vocab_size"], scope=QuantScope()):
+        if ".experts." in name:
+            live[name] = t.clone()
+    if dist.get_rank() == 0:
+        torch.save(logits, f"{out}/logits_tp2ep2.pt")
+        torch.save(live, f"{out}/live_nvfp4.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
