@@ -43,7 +43,8 @@ def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
 class WeightFakeQuant:
     """NVFP4 fake quantization of one weight (or a GroupedMLP expert stack) with a per-step cache.
 
-    ``layout``: ``linear`` for a [N, K] Megatron linear weight; ``grouped_fc1`` / ``grouped_fc2``
+    ``layout``: ``linear`` for a [N, K] Megatron linear weight (or a stacked [E, N, K] one);
+    ``grouped_fc1`` / ``grouped_fc2``
     for GroupedMLP's ``weight1`` ([H, E*N], expert e = memory chunk e viewed [H, N]) and
     ``weight2`` ([E*F, H], expert e = [F, H]), i.e. transposed per-expert matrices.  Each expert
     (each 2-D linear) gets one global scale from its amax MAX-reduced over ``group``.
@@ -93,8 +94,11 @@ class WeightFakeQuant:
     def global_amax(self, weight) -> torch.Tensor:
         """Amax of each whole logical matrix (scalar, or [E, 1, 1] for an expert stack)."""
         rows = self._to_rows(weight.detach())
-        amax = nvfp4.amax_of(rows) if rows.ndim == 2 else \
-            rows.abs().amax(dim=(-2, -1), keepdim=True).to(torch.float32)
+        if rows.ndim == 2:
+            amax = nvfp4.amax_of(rows)
+        else:  # max|x| per expert in one read (no |x| temporary); exact, like amax_of
+            amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=(-2, -1), keepdim=True,
+                                            dtype=torch.float32)
         return all_reduce_max(amax.contiguous(), self.group)
 
     @torch.no_grad()
