@@ -64,8 +64,8 @@ def main():
         lambda: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]]), 2.5625 * n)
     row("fake_quantize kernel (bf16 -> bf16)",
         lambda: triton_kernels.fake_quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]]), 4 * n)
-    for br, bk, w in [(8, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8), (32, 256, 8),
-                      (64, 128, 8), (64, 256, 8)]:
+    for br, bk, w in [(1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4),
+                      (4, 1024, 8), (8, 256, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8)]:
         t = {"block_r": br, "block_k": bk, "num_warps": w}
         row(f"  quantize kernel tile {br}x{bk} w{w}",
             lambda t=t: triton_kernels.quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]],

@@ -169,33 +169,30 @@ if triton is not None:
     def _dequantize_kernel(q_ptr, s_ptr, sdec_ptr, out_ptr, R, K,
                            PER_ROW: tl.constexpr, OUT_BF16: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        NB: tl.constexpr = BLOCK_K // 16
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        blocks = pid_k * NB + tl.arange(0, NB)
         rmask = rows < R
-        bmask = rmask[:, None] & (blocks < K // 16)[None, :]
-        r3 = rows.to(tl.int64)[:, None, None]
-        poffs = r3 * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        packed = tl.load(q_ptr + poffs, mask=bmask[:, :, None], other=0)
-        sbits = tl.load(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blocks[None, :],
-                        mask=bmask, other=0)
-        vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))   # [R, NB, 8, 2]
-        out = vals * e4m3_decode(sbits)[:, :, None, None]
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(q_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :],
+                         mask=rmask[:, None] & (pcols < K // 2)[None, :], other=0)
+        scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        sbits = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + scols[None, :],
+                        mask=rmask[:, None] & (scols < K // 16)[None, :], other=0)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, BLOCK_K))
+        vals = tl.reshape(e2m1_decode(codes), (BLOCK_R, BLOCK_K // 16, 16))
         if PER_ROW:
-            out = out * tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None, None, None]
+            s_dec = tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None]
         else:
-            out = out * tl.load(sdec_ptr)
-        p4 = tl.arange(0, 8)[None, None, :, None]
-        e4 = tl.arange(0, 2)[None, None, None, :]
-        offs = rows.to(tl.int64)[:, None, None, None] * K + blocks[None, :, None, None] * 16 \
-            + p4 * 2 + e4
-        mask4 = bmask[:, :, None, None] & (p4 >= 0) & (e4 >= 0)
+            s_dec = tl.load(sdec_ptr)
+        out = tl.reshape(vals * e4m3_decode(sbits)[:, :, None], (BLOCK_R, BLOCK_K)) * s_dec
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
         if OUT_BF16:
-            tl.store(out_ptr + offs, bf16_round(out).to(tl.uint16), mask=mask4)
+            tl.store(out_ptr + offs, bf16_round(out).to(tl.uint16), mask=mask)
         else:
-            tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask4)
+            tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 if triton is not None:
@@ -256,12 +253,13 @@ def _launch_shape(x_shape) -> tuple:
     return rows, k
 
 
-TILE = {"block_r": 32, "block_k": 128, "num_warps": 4}
-"""Launch shape of the elementwise kernels (tuned on the H200: docs/benchmarks.md)."""
+QUANTIZE_TILE = {"block_r": 4, "block_k": 512, "num_warps": 4}
+DEQUANTIZE_TILE = {"block_r": 32, "block_k": 128, "num_warps": 4}
+"""Launch shapes of the elementwise kernels, the best measured on the H200 (docs/benchmarks.md)."""
 
 
-def _tile(k: int, tile) -> tuple:
-    t = dict(TILE, **(tile or {}))
+def _tile(k: int, tile, default) -> tuple:
+    t = dict(default, **(tile or {}))
     block_k = t["block_k"] if k % t["block_k"] == 0 else _block_k(k)
     return t["block_r"], min(block_k, max(16, triton.next_power_of_2(k))), t["num_warps"]
 
@@ -275,7 +273,7 @@ def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, tile=Non
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
     data = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
-    block_r, block_k, warps = _tile(k, tile)
+    block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](x, data, scale, data, senc, sdec, rows, k, PER_ROW=per_row,
                            FAKE=False, OUT_BF16=False, BLOCK_R=block_r, BLOCK_K=block_k,
@@ -293,7 +291,7 @@ def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
     bf16 = x.dtype == torch.bfloat16
     out = torch.empty(x.shape, dtype=torch.uint16 if bf16 else x.dtype, device=x.device)
-    block_r, block_k, warps = _tile(k, tile)
+    block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](x, out, out, out, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
                            OUT_BF16=bf16, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
@@ -312,7 +310,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     bf16 = dtype == torch.bfloat16
     out = torch.empty((*data.shape[:-1], k), dtype=torch.uint16 if bf16 else dtype,
                       device=data.device)
-    block_r, block_k, warps = _tile(k, tile)
+    block_r, block_k, warps = _tile(k, tile, DEQUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](data, scale, sdec, out, rows, k, PER_ROW=per_row, OUT_BF16=bf16,
                              BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
