@@ -97,6 +97,17 @@ if triton is not None:
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
     @triton.jit
+    def global_scales(amax):
+        """(S_enc, S_dec) from fp32 amax, exactly `core.global_encode_scale` and its inverse:
+        S_enc = 2688 / amax capped at FLT_MAX, 1 where amax is 0 or S_enc is 0."""
+        safe = tl.where(amax == 0.0, 1.0, amax)
+        s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), safe),
+                           3.4028234663852886e38)
+        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+        return s_enc, s_dec
+
+    @triton.jit
     def nvfp4_block_quantize(x, s_enc, s_dec, BLOCKS: tl.constexpr, ROWS: tl.constexpr):
         """One tile [ROWS, BLOCKS*16] fp32 -> (codes [ROWS, BLOCKS*16] uint8, scale bits
         [ROWS, BLOCKS] uint8, decoded scale [ROWS, BLOCKS] fp32); s_enc/s_dec are scalars
