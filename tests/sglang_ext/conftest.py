@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from sglang_fixtures import write_checkpoint
+from sglang_fixtures import export_rollout_checkpoints
 
 
 def _free_port() -> int:
@@ -48,13 +48,8 @@ def sglang_runtime():
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Session-wide tiny checkpoints keyed by kind."""
-    root = tmp_path_factory.mktemp("sglang_ckpts")
-    return {
-        "quads": write_checkpoint(root / "quads"),
-        "modelopt": write_checkpoint(root / "modelopt", kind="modelopt"),
-        "modelopt_file": write_checkpoint(root / "modelopt_file", kind="modelopt_file"),
-    }
+    """Tiny rollout checkpoints written by the project's exporter, keyed by kind."""
+    return export_rollout_checkpoints(tmp_path_factory.mktemp("sglang_ckpts"))
 
 
 @pytest.fixture
