@@ -112,7 +112,8 @@ class HFCheckpoint:
 
     def get(self, name) -> torch.Tensor:
         """The whole tensor (loaded from the mmap'd file)."""
-        return self._slice(name)[:]
+        self._slice(name)  # clear error when absent
+        return self._open(self.weight_map[name]).get_tensor(name)
 
     def get_rows(self, name, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0 without reading the rest of the tensor."""

@@ -1,0 +1,140 @@
+"""HF -> QUADS / ModelOpt NVFP4 rollout checkpoints: exact trainer view, ModelOpt decoding, configs, calibration."""
+
+import json
+
+import pytest
+import torch
+
+from quads_megatron import nvfp4
+from quads_megatron.convert import qwen3_moe, rollout_export
+from quads_megatron.convert.calibration import calibrate, random_prompts
+from quads_megatron.convert.hf_checkpoint import HFCheckpoint
+from quads_megatron.nvfp4 import NVFP4Tensor
+
+CALIB = ["--calib-size", "3", "--calib-seq-len", "16", "--no-progress"]
+K = 16
+
+
+@pytest.fixture(scope="module")
+def quads_ckpt(tiny_hf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rollout") / "quads"
+    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--rac-channels", str(K), *CALIB])
+    return out
+
+
+@pytest.fixture(scope="module")
+def modelopt_ckpt(tiny_hf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rollout") / "modelopt"
+    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--format", "modelopt", *CALIB])
+    return out
+
+
+def _expert_bases(dims):
+    for layer in range(dims.num_layers):
+        for e in range(dims.num_experts):
+            yield layer, e, f"model.layers.{layer}.mlp.experts.{e}."
+
+
+def _nvfp4(ckpt, base):
+    return NVFP4Tensor.from_modelopt(ckpt.get(base + ".weight"), ckpt.get(base + ".weight_scale"),
+                                     ckpt.get(base + ".weight_scale_2"), name=base)
+
+
+def test_nvfp4_weights_dequantize_to_the_trainers_fake_quantize(tiny_hf, quads_ckpt):
+    with HFCheckpoint(tiny_hf) as src, HFCheckpoint(quads_ckpt) as out:
+        dims = qwen3_moe.dims_from_hf_config(src.config)
+        for layer, e, p in _expert_bases(dims):
+            gate, up, down = (src.get(p + n) for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+            shared = nvfp4.shared_amax([gate, up])
+            for proj, w, amax in (("gate_proj", gate, shared), ("up_proj", up, shared), ("down_proj", down, None)):
+                q = _nvfp4(out, p + proj)
+                assert torch.equal(q.dequantize(torch.bfloat16), nvfp4.fake_quantize(w, amax=amax)), p + proj
+                assert torch.equal(q.dequantize(torch.float32), nvfp4.fake_quantize(w.float(), amax=amax)), p + proj
+            assert torch.equal(out.get(p + "gate_proj.weight_scale_2"), out.get(p + "up_proj.weight_scale_2"))
+        kept = [n for n in src.keys() if ".experts." not in n]
+        assert kept and all(torch.equal(src.get(n), out.get(n)) for n in kept)   # carve-outs stay BF16, bitwise
+
+
+def test_modelopt_dequantizes_the_checkpoint_to_the_same_values(quads_ckpt):
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor",
+                                  reason="nvidia-modelopt (installed --no-deps) is not importable")
+    with HFCheckpoint(quads_ckpt) as out:
+        dims = qwen3_moe.dims_from_hf_config(out.config)
+        for _, _, p in _expert_bases(dims):
+            for proj in ("gate_proj", "down_proj"):
+                q = _nvfp4(out, p + proj)
+                mo = qtensor.NVFP4QTensor(q.shape, torch.float32, out.get(p + proj + ".weight"))
+                theirs = mo.dequantize(dtype=torch.float32, scale=out.get(p + proj + ".weight_scale"),
+                                       double_scale=out.get(p + proj + ".weight_scale_2"), block_sizes={-1: 16})
+                # ModelOpt rounds e2m1 * (sf * S_dec), we (e2m1 * sf) * S_dec (exact first product): 1 fp32 ulp.
+                torch.testing.assert_close(theirs, q.dequantize(torch.float32), rtol=2.5e-7, atol=0)
+
+
+def test_quads_config_and_calibrated_activation_tensors(tiny_hf, quads_ckpt):
+    from sglang_ext.checkpoint_format import parse_quantization_config
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = json.loads((quads_ckpt / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    settings = parse_quantization_config(qc, env={})
+    assert (settings.activation_mode, settings.activation_scaling, settings.rac_num_channels) == ("w4a4_rac", "per_token", K)
+    assert qc["quant_method"] == "quads" and "model.layers.*.mlp.gate" in qc["exclude_modules"]
+    summary = json.loads((quads_ckpt / "hf_quant_config.json").read_text())
+    assert summary["quantization"]["quant_algo"] == "NVFP4" and summary["quads"] == qc
+
+    # The stored input_scale / input_comp_index are the calibration of the same prompts, placed per expert.
+    model = Qwen3MoeForCausalLM.from_pretrained(str(tiny_hf), dtype=torch.bfloat16)
+    with HFCheckpoint(tiny_hf) as src, HFCheckpoint(quads_ckpt) as out:
+        dims = qwen3_moe.dims_from_hf_config(src.config)
+        weights = rollout_export._quantized_layer_weights(src, dims, rollout_export.scope_from_recipe(
+            __import__("quads_megatron.recipe", fromlist=["QuadsRecipe"]).QuadsRecipe(), dims))
+        calib = calibrate(model, random_prompts(dims.vocab_size, num_samples=3, seq_len=16, seed=0),
+                          rac_channels=K, quantized_weights=weights, progress=False)
+        for layer, e, p in _expert_bases(dims):
+            c = calib[layer]
+            for proj in ("gate_proj", "up_proj"):
+                assert torch.equal(out.get(p + proj + ".input_scale"), nvfp4.global_decode_scale(c.fc1_amax))
+                assert torch.equal(out.get(p + proj + ".input_comp_index"), c.fc1_comp_index)
+            assert torch.equal(out.get(p + "down_proj.input_scale"), nvfp4.global_decode_scale(c.fc2_amax[e]))
+            idx = out.get(p + "down_proj.input_comp_index")
+            assert idx.dtype == torch.int32 and idx.shape == (K,) and torch.equal(idx, c.fc2_comp_index[e])
+            assert bool((idx[1:] > idx[:-1]).all()) and int(idx.max()) < dims.moe_ffn
+        assert c.fc1_amax > 0 and bool((c.fc2_amax > 0).all())
+        # Embedding channel 5 is a x20 outlier: it sets its 16-block's scale, so the other channels of
+        # block 0..15 carry layer 0's largest fc1 activation error and fill most of its RAC set.
+        assert len(set(calib[0].fc1_comp_index.tolist()) & set(range(16))) >= 12
+
+
+def test_modelopt_format_is_plain_modelopt_nvfp4(quads_ckpt, modelopt_ckpt):
+    from sglang_ext.checkpoint_format import is_modelopt_nvfp4
+
+    cfg = json.loads((modelopt_ckpt / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    summary = json.loads((modelopt_ckpt / "hf_quant_config.json").read_text())
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4" and is_modelopt_nvfp4(qc)
+    assert qc["config_groups"]["group_0"]["weights"] == {"dynamic": False, "num_bits": 4, "type": "float",
+                                                         "group_size": 16}
+    assert summary["quantization"] == {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                       "exclude_modules": qc["ignore"]}
+    with HFCheckpoint(modelopt_ckpt) as mo, HFCheckpoint(quads_ckpt) as qd:
+        assert not [n for n in mo.keys() if n.endswith("input_comp_index")]
+        name = "model.layers.1.mlp.experts.3.down_proj"
+        for suffix in ("weight", "weight_scale", "weight_scale_2"):   # same NVFP4 weights as the quads export
+            a, b = mo.get(f"{name}.{suffix}"), qd.get(f"{name}.{suffix}")
+            assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        assert mo.get(f"{name}.input_scale").dtype == torch.float32
+
+
+def test_recipe_carve_out_keeps_a_layer_bf16(tiny_hf, tmp_path):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"bf16_first_layers": 1}))
+    out = tmp_path / "w4a16"
+    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--recipe", str(recipe),
+                         "--activation-mode", "w4a16", "--no-progress"])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.experts*" in qc["exclude_modules"] and qc["activation_mode"] == "w4a16"
+    with HFCheckpoint(tiny_hf) as src, HFCheckpoint(out) as ck:
+        name = "model.layers.0.mlp.experts.1.up_proj.weight"
+        assert torch.equal(ck.get(name), src.get(name))
+        assert ck.dtype("model.layers.1.mlp.experts.1.up_proj.weight") == torch.uint8
+        assert not [n for n in ck.keys() if n.endswith(("input_scale", "input_comp_index"))]
