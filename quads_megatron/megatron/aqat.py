@@ -141,8 +141,11 @@ class QuadsConverter:
         self.recipe = recipe
 
     def convert(self, model):
-        """Wrap the recipe's target modules of ``model`` in place; returns ``model``."""
+        """Wrap the recipe's target modules of ``model`` (or of each model chunk) in place; returns it."""
         from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        if isinstance(model, (list, tuple)):
+            return type(model)(self.convert(chunk) for chunk in model)
 
         recipe, gpt = self.recipe, unwrap_model(model)
         if getattr(gpt, "quads_targets", None):
@@ -179,7 +182,8 @@ class QuadsConverter:
         recipe = self.recipe
         if hasattr(module, "_quads"):
             raise RuntimeError(f"{name}: already wrapped by apply_quads")
-        if kind == "linear" and getattr(module, "gradient_accumulation_fusion", False):
+        if getattr(module, "gradient_accumulation_fusion", False) or getattr(
+                module, "fuse_wgrad_accumulation", False):
             raise ValueError(f"{name}: gradient_accumulation_fusion=True accumulates into the "
                              "weight's main_grad inside the GEMM, which the fake-quantized weight "
                              "does not own; set gradient_accumulation_fusion=False for AQAT")
@@ -249,7 +253,7 @@ def register_post_optimizer_hook(optimizer, model):
 
 
 def quads_targets(model) -> dict:
-    """{module name: QuadsTarget} of a converted model (empty if not converted)."""
+    """{module name: QuadsTarget} of a converted model chunk (empty if not converted)."""
     return getattr(unwrap_model(model), "quads_targets", None) or {}
 
 

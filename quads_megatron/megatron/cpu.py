@@ -151,8 +151,9 @@ def _patch_causal_mask():
 
     @functools.lru_cache(maxsize=None)
     def get_default_causal_mask(sq: int) -> torch.Tensor:
-        """CPU causal upper-triangular mask (True = masked) for attention_mask=None."""
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+        """CPU causal upper-triangular mask (True = masked) for attention_mask=None (cached)."""
+        with torch.inference_mode(False):  # cached: must stay usable outside inference mode
+            return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
     transformer_utils.get_default_causal_mask = get_default_causal_mask
     fused_softmax.get_default_causal_mask = get_default_causal_mask

@@ -101,9 +101,14 @@ class WeightFakeQuant:
                                             dtype=torch.float32)
         return all_reduce_max(amax.contiguous(), self.group)
 
-    @torch.no_grad()
     def compute(self, weight) -> torch.Tensor:
         """The fake-quantized weight (detached, same shape/dtype as ``weight``), uncached."""
+        # A normal tensor even under torch.inference_mode (rollout log-probs), so that the
+        # cached value can serve the next training forward.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._compute(weight)
+
+    def _compute(self, weight):
         rows = self._to_rows(weight.detach())
         if self.backend == "te":
             from quads_megatron.megatron import te_bridge

@@ -124,5 +124,5 @@ def hf_qwen3_moe_config_dict(config, vocab_size: int, max_seq_len: int,
         norm_topk_prob=True,
         router_aux_loss_coef=float(config.moe_aux_loss_coeff),
         initializer_range=config.init_method_std,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )

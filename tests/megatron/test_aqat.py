@@ -103,6 +103,11 @@ def test_weight_cache_recomputes_only_when_the_master_weight_changes():
     loss_of(model, data)
     assert len(calls) == 3
     assert torch.equal(wfq.value(w), nvfp4.dequantize(nvfp4.quantize(w.detach()), w.dtype))
+    post_optimizer_hook(model)
+    with torch.inference_mode():          # rollout log-probs fill the cache...
+        loss_of(model, data)
+    loss_of(model, data).backward()       # ...and the training forward/backward reuses it
+    assert len(calls) == 4 and w.grad is not None
 
     uncached = apply_quads(build(), QuadsRecipe(cache_weights=False))
     u = quads_targets(uncached)[FC1].weights["weight"]
