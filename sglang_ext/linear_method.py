@@ -9,7 +9,8 @@ RL weight reloads write straight into the same tensors):
   input_comp_index  int32 [shards * k]      RAC channels of each logical matrix (w4a4_rac only)
 Merged layers whose shards share `weight_scale_2` and RAC channels (ModelOpt and QUADS
 exporters share them) run as one GEMM; otherwise each shard runs with its own scale, which
-is exact where ModelOpt's `.max()` would not be. Static activation scales take the max over
+is exact where ModelOpt's `.max()` would not be. The first load fixes that plan (CUDA graphs
+replay it); a weight update that would need a different one is refused with a clear error. Static activation scales take the max over
 shards, as ModelOpt does (all shards read the same activation).
 """
 
@@ -140,15 +141,23 @@ class QuadsLinearMethod(LinearMethodBase):
             if bool((comp == _UNSET_INDEX).any()):
                 raise ValueError(f"{name}.input_comp_index: activation_mode 'w4a4_rac' needs the "
                                  f"checkpoint's compensation channels for every shard")
-        same_scale = bool((ws2 == ws2[0]).all())
-        same_comp = comp is None or bool((comp == comp[0]).all())
-        if same_scale and same_comp:
+        shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
+        # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
+        # may not switch a fused layer to per-shard GEMMs (per-shard stays valid for any data).
+        first_load = not hasattr(layer, "quads_shard_rows")
+        if first_load and shared:
             layer.quads_shard_rows = None
-        else:
+        elif first_load:
             bounds = torch.tensor([0] + list(layer.logical_widths)).cumsum(0).tolist()
             layer.quads_shard_rows = [(bounds[i], bounds[i + 1]) for i in range(shards)]
             logger.info("%s: shards carry different weight_scale_2 / RAC channels; running one "
                         "GEMM per shard", name)
+        elif layer.quads_shard_rows is None and not shared:
+            raise ValueError(
+                f"{name}: the updated weights give the merged shards different weight_scale_2 / "
+                f"RAC channels, but the layer was loaded with shared ones and runs as one GEMM "
+                f"(possibly inside captured CUDA graphs); export the update with shared global "
+                f"scales (as the first checkpoint had) or restart the server")
 
     # --- forward -----------------------------------------------------------------------
     def _shard_args(self, layer: torch.nn.Module, i: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

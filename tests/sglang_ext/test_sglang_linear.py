@@ -140,6 +140,22 @@ def test_merged_shards_sharing_scales_run_as_one_gemm(sglang_runtime, x):
     torch.testing.assert_close(y, _expected(x, tensors, cfg), rtol=0, atol=0)
 
 
+def test_reload_cannot_switch_a_fused_layer_to_per_shard(sglang_runtime, x):
+    """A fused plan may sit inside captured CUDA graphs: an update needing per-shard GEMMs is refused."""
+    from quads_megatron.nvfp4 import quantize_with_shared_scale
+
+    cfg = _config("w4a4", "per_token")
+    layer, shards = _build("gate_up", cfg)
+    g = torch.Generator().manual_seed(6)
+    ws = [(torch.randn(32, K, generator=g) / 8).to(torch.bfloat16) for _ in range(2)]
+    _load_all(layer, shards, [q.to_modelopt() for q in quantize_with_shared_scale(ws)])
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quads_shard_rows is None
+    _load_all(layer, shards, [_shard_tensors(32, 1), _shard_tensors(32, 2)])
+    with pytest.raises(ValueError, match="runs as one GEMM"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def test_missing_tensor_is_named(sglang_runtime):
     cfg = _config("w4a4_rac", "per_token")
     layer, shards = _build("qkv", cfg)
