@@ -82,8 +82,11 @@ def _group_of(module, is_expert):
 def _candidates(layer_name, layer):
     """(scope, name, module, kind, is_expert, k_sharded) for every quantizable module of one layer."""
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe import experts as moe_experts
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    SequentialMLP = moe_experts.SequentialMLP
+    GroupedMLP = getattr(moe_experts, "GroupedMLP", ())  # legacy; gone in megatron-core 0.19
 
     out = []
     attn = getattr(layer, "self_attention", None)

@@ -160,7 +160,10 @@ def _patch_causal_mask():
 
 
 def _patch_grouped_gemm():
-    import megatron.core.transformer.moe.grouped_gemm_util as gg
+    try:
+        import megatron.core.transformer.moe.grouped_gemm_util as gg
+    except ImportError:  # megatron-core >= 0.19 has no legacy GroupedMLP to shim
+        return
 
     if gg.grouped_gemm_is_available():
         return

@@ -91,7 +91,10 @@ def expert_shards(full_fc1, full_fc2, etp_rank: int, etp_size: int):
 def init_experts_per_expert(model, seed: int):
     """Re-initialise every routed expert from its own seed (SequentialMLP, GroupedMLP, TEGroupedMLP)."""
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe import experts as moe_experts
+
+    SequentialMLP = moe_experts.SequentialMLP
+    GroupedMLP = getattr(moe_experts, "GroupedMLP", ())  # legacy; gone in megatron-core 0.19
 
     config = model.config
     if not config.gated_linear_unit:
