@@ -61,6 +61,17 @@ def test_tp1_round_trip_is_bitwise_and_logits_match(tiny_hf, tp1_megatron, tmp_p
     torch.testing.assert_close(ours, _hf_logits(tiny_hf, ids), rtol=0, atol=LOGITS_ATOL)
 
 
+def test_synced_nvfp4_weights_are_the_trainers_fake_quantized_weights(tiny_hf, tp1_megatron):
+    """BF16 trainer + AQAT (apply_quads): what iter_hf_weights sends dequantizes to what forward uses."""
+    from dist_worker import fake_quant_mismatches
+    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+
+    config = HFCheckpoint(tiny_hf).config
+    model = build_model_from_hf_config(config, params_dtype=torch.bfloat16)
+    load_megatron_checkpoint(model, tp1_megatron)
+    assert fake_quant_mismatches(model, config["vocab_size"]) == []
+
+
 def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     """One torchrun launch: write with TP=2/EP=2, read it back there and at TP=1, read TP=1 there."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
@@ -79,6 +90,7 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     logits = torch.load(tmp_path / "logits_tp2ep2.pt")[..., : config["vocab_size"]]
     torch.testing.assert_close(logits, _hf_logits(tiny_hf, ids), rtol=0, atol=LOGITS_ATOL)
 
+    assert torch.load(tmp_path / "fake_quant_mismatches.pt") == [[], []]
     # Already-quantized weight sync from the sharded model == offline quantization of the HF weights.
     live = torch.load(tmp_path / "live_nvfp4.pt")
     dims = qwen3_moe.dims_from_hf_config(config)
