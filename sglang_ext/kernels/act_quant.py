@@ -21,7 +21,7 @@ import triton.language as tl
 from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
 from quads_megatron.nvfp4.triton_kernels import e2m1_decode, e4m3_decode, nvfp4_block_quantize
 
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit

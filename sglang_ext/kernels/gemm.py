@@ -16,8 +16,8 @@ block scale times 2^7 gives value * scale * 2^-7. `decode_words_f16` is tested b
 against the lead's `e2m1_decode`/`e4m3_decode` on every byte value; the RAC weight gather
 and W4A16 use those helpers directly.
 
-RAC on Hopper: the residual is a second, short K loop over the k gathered channels (its own
-per-row S_dec), reading the gathered weight columns straight from the packed weight (the
+RAC on Hopper: the residual is a second, short K loop over the k gathered channels (own
+per-row S_dec; the accumulator is rescaled by S_dec(x) / S_dec(r) before it), reading the gathered weight columns straight from the packed weight (the
 rows were just streamed, so the bytes come from L2): y = xq Wq^T + rq Wq[:, S]^T exactly.
 """
 
@@ -31,8 +31,7 @@ import triton.language as tl
 
 from quads_megatron.nvfp4.triton_kernels import bf16_round, e2m1_decode, e4m3_decode
 
-_TILE_SHIFT = 128.0        # scales are multiplied by 2^7 inside tiles ...
-_EPILOGUE = 16384.0        # ... and E2M1 bits carry 2^-14: acc * 2^14 / 2^7 / 2^7 = true
+RES_BLOCK = 16  # gathered RAC channels per step: wider gathers spill registers (ptxas, sm_90)
 
 
 @triton.jit
@@ -157,11 +156,12 @@ def _w4a4_gemm_kernel(
     if W4A16:
         out = acc * ws2
     else:
-        sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=0.0)
-        out = acc * sdec[:, None]
+        sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
         if HAS_RES:
-            # RAC: rq Wq[:, S]^T over the k gathered channels (own per-row S_dec)
-            acc_r = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # RAC: + rq Wq[:, S]^T over the k gathered channels, which have their own per-row
+            # S_dec: rescale the accumulator to the residual's scale and keep one accumulator
+            rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
+            acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
             for j0 in range(0, KR, BLOCK_KR):
                 j = j0 + tl.arange(0, BLOCK_KR)
                 jmask = j < KR
@@ -180,13 +180,12 @@ def _w4a4_gemm_kernel(
                               mask=row_mask[:, None] & (rsk < KR // 16)[None, :], other=0)
                 rt = decode_words_f16(rw, rsb, BLOCK_M, BLOCK_KR)
                 if DOT_F32:
-                    acc_r = tl.dot(rt.to(tl.float32), tl.trans(wg.to(tl.float32)), acc_r,
-                                   input_precision="ieee")
+                    acc = tl.dot(rt.to(tl.float32), tl.trans(wg.to(tl.float32)), acc,
+                                 input_precision="ieee")
                 else:
-                    acc_r = tl.dot(rt, tl.trans(wg), acc_r)
-            rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=0.0)
-            out = out + acc_r * rdec[:, None]
-        out = out * (ws2 * 16384.0)
+                    acc = tl.dot(rt, tl.trans(wg), acc)
+            sdec = rdec
+        out = acc * sdec[:, None] * (ws2 * 16384.0)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
@@ -276,6 +275,6 @@ def launch_gemm(a_data: torch.Tensor, a_scale: Optional[torch.Tensor],
         ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16, DOT_F32=dot_f32,
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KR=min(64, max(16, triton.next_power_of_2(max(kr, 1)))),
+        BLOCK_KR=min(RES_BLOCK, max(16, triton.next_power_of_2(max(kr, 1)))),
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
