@@ -8,6 +8,13 @@ themselves are untouched, so ``state_dict``/``sharded_state_dict`` names, optimi
 dist_checkpointing see exactly the unquantized model.  Activation mode ``nvfp4`` also
 fake-quantizes each target's input (the naive symmetric baseline).
 
+Cost: each quantized weight is fake-quantized once per optimizer step and cached (one extra
+copy of those weights in memory; ``QuadsRecipe(cache_weights=False)`` trades it for
+re-quantizing every forward).  Run ``post_optimizer_hook(model)`` after each step, or once
+``register_post_optimizer_hook(optimizer, model)``: Megatron's mixed-precision/distributed
+optimizers update params through ``.data``, which the cache's ``_version`` key cannot see.
+Convert before wrapping in Megatron DDP; set ``gradient_accumulation_fusion=False``.
+
 Expert layer classes: ``SequentialMLP`` (local spec; ColumnParallelLinear fc1 holding
 [gate; up] and RowParallelLinear fc2), legacy ``GroupedMLP`` (``weight1``/``weight2``; weights
 only), ``TEGroupedMLP`` (TE GroupedLinear ``weight{i}``; guarded, untested here: no TE).

@@ -67,7 +67,8 @@ def check_layout(tp, ep, etp):
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     res = dict(bitwise=True, logical=True, shared_scale=True, group_size_ok=True, checked=0,
-               local_differs=False, naive_differs=False, finite_loss=bool(torch.isfinite(loss)))
+               local_differs=False, naive_differs=False, finite_loss=bool(torch.isfinite(loss)),
+               loss=loss.item())
     for layer in model.decoder.layers:
         experts = layer.mlp.experts
         for i in range(experts.num_local_experts):
@@ -167,7 +168,7 @@ def main():
     initialize_distributed()
     rank = dist.get_rank()
     results = {}
-    for tp, ep, etp in ((2, 1, None), (1, 2, None), (2, 2, 1)):
+    for tp, ep, etp in ((1, 1, None), (2, 1, None), (1, 2, None), (2, 2, 1)):
         results[f"tp{tp}_ep{ep}_etp{etp or tp}"] = check_layout(tp, ep, etp)
     ckpt = os.path.join(out_dir, "ckpt")
     results["resume"] = check_checkpoint_resume(1, 2, ckpt)

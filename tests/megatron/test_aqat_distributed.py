@@ -46,6 +46,12 @@ def test_expert_tp_amax_reduction_is_needed(results):
     assert any(rank["tp2_ep1_etp2"]["naive_differs"] for rank in results)
 
 
+def test_tp2_model_computes_the_single_rank_loss(results):
+    """Same logical weights and one global scale per expert: TP=2 AQAT loss = TP=1 AQAT loss (rank 0's batch)."""
+    tp1, tp2 = results[0]["tp1_ep1_etp1"]["loss"], results[0]["tp2_ep1_etp2"]["loss"]
+    assert abs(tp1 - tp2) <= 1e-5 * abs(tp1), (tp1, tp2)
+
+
 def test_dist_checkpoint_resume_is_identical(results):
     for rank in results:
         r = rank["resume"]
