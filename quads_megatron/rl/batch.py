@@ -21,6 +21,10 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(self.tokens.to(device), self.mask.to(device), self.rollout_logp.to(device),
+                          self.advantages.to(device))
+
     def slice(self, i: int, j: int) -> "TrainBatch":
         return TrainBatch(self.tokens[i:j], self.mask[i:j], self.rollout_logp[i:j], self.advantages[i:j])
 

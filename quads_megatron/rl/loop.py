@@ -32,12 +32,18 @@ def _print(*a):
         print(*a, flush=True)
 
 
+def _comm_device() -> torch.device:
+    """Where collective tensors live: CUDA under NCCL, CPU under gloo."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _dp_mean(values: dict[str, float], group) -> dict[str, float]:
     """Average scalars over the data-parallel group (every rank gets the result)."""
     if not values or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, group=group)
     t /= dist.get_world_size(group)
     return dict(zip(keys, t.tolist()))
@@ -61,10 +67,10 @@ class GRPOTrainer:
         _set_threads()
         tok_path = args.tokenizer or args.hf_checkpoint
         self.tokenizer = load_tokenizer(tok_path)
-        vocab = len(self.tokenizer)
-        vocab_padded = int(math.ceil(vocab / 128) * 128)
+        # the tiny default's HF vocabulary: the char tokenizer rounded up to 128 rows
+        vocab = int(math.ceil(len(self.tokenizer) / 128) * 128)
         self.task = build_task(args.task, seed=args.seed, eval_path=args.eval_data)
-        self.policy = MegatronPolicy(args, vocab_padded)
+        self.policy = MegatronPolicy(args, vocab)
         self.dp_rank, self.dp_size = self.policy.dp_rank_size()
         if args.rollout_batch_size % self.dp_size:
             raise ValueError(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by the "
@@ -112,11 +118,6 @@ class GRPOTrainer:
         return LocalEngine(self.policy.hf_config(), precision=a.rollout_precision, max_seq_len=a.seq_length,
                            pad_token_id=self.pad, quant_options=opts)
 
-    def _load_hf_checkpoint(self):
-        from quads_megatron.convert import load_hf_into_megatron
-
-        load_hf_into_megatron(self.policy.model, self.args.hf_checkpoint)
-
     # ------------------------------------------------------------------ pieces of a step
     def sync_weights(self):
         """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch."""
@@ -141,6 +142,7 @@ class GRPOTrainer:
     def train_on(self, batch):
         """One or more optimizer steps on this rank's batch; return training stats and per-token gaps."""
         mbs = self.args.micro_batch_size
+        batch = batch.to(self.policy.device)
         stats = {"loss": 0.0, "pg_clipfrac": 0.0, "tis_weight_mean": 0.0, "tis_clipfrac": 0.0, "mis_maskfrac": 0.0,
                  "ppo_ratio_mean": 0.0, "entropy": 0.0, "grad_norm": 0.0,
                  "train_rollout_logprob_abs_diff": 0.0, "train_rollout_kl": 0.0}
@@ -173,13 +175,13 @@ class GRPOTrainer:
                     gaps.append((olp - mb.rollout_logp)[mb.mask.bool()])
                 n_mb += 1
             stats["grad_norm"] += self.policy.optimizer_step() / self.steps_per_rollout
-        return stats, torch.cat(gaps) if gaps else torch.zeros(0)
+        return stats, torch.cat(gaps).cpu() if gaps else torch.zeros(0)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """pass@1 (greedy) on the held-out set, split over DP ranks."""
         ev = self.eval_samples[self.dp_rank::self.dp_size]
-        correct = torch.zeros(2, dtype=torch.float64)
+        correct = torch.zeros(2, dtype=torch.float64, device=_comm_device())
         if ev:
             outs = self.engine.generate([encode_prompt(self.tokenizer, s.prompt) for s in ev], self.greedy, seed=0)
             correct[0] = sum(self.task.reward(decode_response(self.tokenizer, o.response_ids), s) for o, s in zip(outs, ev))
@@ -202,6 +204,7 @@ class GRPOTrainer:
             targets = [self.tokenizer.encode(self.task.sft_text(s), add_special_tokens=False) + [self.eos]
                        for s in samples]
             tokens, mask = build_sft_batch(prompts, targets, self.pad)
+            mask = mask.to(self.policy.device)
             lp, _ = self.policy.token_logprobs(tokens)
             loss = -masked_mean(lp, mask)
             loss.backward()
@@ -222,7 +225,7 @@ class GRPOTrainer:
             _print(f"resumed from {a.load} at iteration {start}")
         else:
             if a.hf_checkpoint:
-                self._load_hf_checkpoint()
+                self.policy.load_hf_checkpoint()
             self.sft_warmup()
         if _rank0():
             self.logger.text("config", "\n".join(f"    --{k.replace('_', '-')} {v}" for k, v in sorted(vars(a).items())))

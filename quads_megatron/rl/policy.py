@@ -12,6 +12,7 @@ class MegatronPolicy:
     """Owns the Megatron-Core model (AQAT experts when asked) and a torch AdamW on its parameters."""
 
     def __init__(self, args, vocab_size: int):
+        """vocab_size: the HF (tokenizer-side) vocabulary; Megatron pads it for TP when needed."""
         from quads_megatron.megatron import build_gpt_model, initialize_distributed, qwen3_moe_config
         from quads_megatron.megatron.presets import qwen3_moe_model_args
 
@@ -27,13 +28,29 @@ class MegatronPolicy:
                             ("num_experts", "num_moe_experts"), ("moe_router_topk", "moe_router_topk")):
             if getattr(args, flag, None) is not None:
                 overrides[field] = getattr(args, flag)
+        self.hf_ckpt = None
+        tie = False
+        if args.hf_checkpoint:
+            from quads_megatron.convert import qwen3_moe
+            from quads_megatron.convert.hf_checkpoint import HFCheckpoint
+
+            self.hf_ckpt = HFCheckpoint(args.hf_checkpoint)
+            overrides.update(qwen3_moe.megatron_config_kwargs(self.hf_ckpt.config))
+            self.rotary_base = qwen3_moe.rope_theta(self.hf_ckpt.config)
+            dims = qwen3_moe.dims_from_hf_config(self.hf_ckpt.config)
+            vocab_size, tie = dims.vocab_size, dims.tie_word_embeddings
+        else:
+            self.rotary_base = qwen3_moe_model_args(args.preset)["rotary_base"]
         self.config = qwen3_moe_config(args.preset, **overrides)
-        margs = qwen3_moe_model_args(args.preset)
-        self.rotary_base = margs["rotary_base"]
-        self.vocab_size = vocab_size
+        from quads_megatron.convert.megatron_params import padded_vocab_size
+
+        self.vocab_size = vocab_size  # HF rows; Megatron's extra padded rows are masked out of the softmax
+        self.padded_vocab_size = padded_vocab_size(vocab_size, args.tensor_model_parallel_size)
+        self.tie_word_embeddings = tie
         self.max_seq_len = args.seq_length
-        self.model = build_gpt_model(self.config, vocab_size, args.seq_length, rotary_base=self.rotary_base,
-                                     expert_seed=args.seed)
+        self.model = build_gpt_model(self.config, self.padded_vocab_size, args.seq_length,
+                                     rotary_base=self.rotary_base, expert_seed=args.seed,
+                                     share_embeddings_and_output_weights=tie)
         self.recipe = None
         if args.quads_train == "aqat":
             from quads_megatron.megatron import apply_quads
@@ -43,6 +60,7 @@ class MegatronPolicy:
             self.model = apply_quads(self.model, self.recipe)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.device = next(self.model.parameters()).device
         self.clip_grad = args.clip_grad
         self.temperature = args.temperature if args.temperature > 0 else 1.0
         self.tp = args.tensor_model_parallel_size
@@ -73,14 +91,22 @@ class MegatronPolicy:
         Sp = self._pad_len(S)
         if Sp != S:
             tokens = torch.cat([tokens, tokens.new_zeros(B, Sp - S)], 1)
-        pos = torch.arange(Sp).unsqueeze(0).expand(B, Sp)
+        tokens = tokens.to(self.device)
+        pos = torch.arange(Sp, device=self.device).unsqueeze(0).expand(B, Sp)
         logits = self.model(tokens, pos, None)  # [B, Sp, V/TP]
         logits = logits[:, : S - 1].float() / self.temperature
+        if self.padded_vocab_size > self.vocab_size:  # padded rows do not exist on the rollout side
+            from megatron.core import parallel_state
+
+            shard = logits.shape[-1]
+            start = parallel_state.get_tensor_model_parallel_rank() * shard
+            pad = torch.arange(start, start + shard, device=logits.device) >= self.vocab_size
+            logits = logits.masked_fill(pad, float("-inf"))
         labels = tokens[:, 1:S]
         if self.tp == 1:
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            ent = -(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None
+            ent = -torch.special.xlogy(logp_all.exp(), logp_all.exp()).sum(-1).detach() if with_entropy else None
         else:
             logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                                  labels.t().contiguous()).t()
@@ -88,8 +114,8 @@ class MegatronPolicy:
             if with_entropy:
                 with torch.no_grad():
                     full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-                    lp = torch.log_softmax(full, -1)
-                    ent = -(lp.exp() * lp).sum(-1)
+                    p = torch.softmax(full, -1)
+                    ent = -torch.special.xlogy(p, p).sum(-1)
         return logp, ent
 
     # ------------------------------------------------------------------ optimizer
@@ -118,9 +144,9 @@ class MegatronPolicy:
         """L2 norm of all grads over the whole model: TP shards summed over TP, expert shards over EP x ETP."""
         from megatron.core import parallel_state
 
-        dense_sharded = torch.zeros((), dtype=torch.float64)
-        dense_repl = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
+        dense_sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        dense_repl = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.model.parameters():
             if p.grad is None:
                 continue
@@ -156,13 +182,24 @@ class MegatronPolicy:
             scope = QuantScope(block_shape=block)
         return iter_hf_weights(self.model, vocab_size=self.vocab_size, scope=scope)
 
+    def load_hf_checkpoint(self) -> None:
+        """Fill the model from --hf-checkpoint (the converters' HF -> Megatron path)."""
+        from quads_megatron.convert.hf_to_megatron_weights import load_hf_into_megatron
+
+        load_hf_into_megatron(self.model, self.hf_ckpt, progress=False)
+        if self.recipe is not None:
+            from quads_megatron.megatron import post_optimizer_hook
+
+            post_optimizer_hook(self.model)  # drop fake-quant caches of the initial weights
+
     def hf_config(self):
         """The transformers Qwen3MoeConfig that describes this model."""
         from transformers import Qwen3MoeConfig
 
         from quads_megatron.megatron import hf_qwen3_moe_config_dict
 
-        d = hf_qwen3_moe_config_dict(self.config, self.vocab_size, self.max_seq_len, rotary_base=self.rotary_base)
+        d = hf_qwen3_moe_config_dict(self.config, self.vocab_size, self.max_seq_len, rotary_base=self.rotary_base,
+                                     tie_word_embeddings=self.tie_word_embeddings)
         d.pop("model_type", None)
         return Qwen3MoeConfig(**d)
 
@@ -172,3 +209,7 @@ class MegatronPolicy:
     def load_state_dict(self, sd: dict) -> None:
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
+        if self.recipe is not None:
+            from quads_megatron.megatron import post_optimizer_hook
+
+            post_optimizer_hook(self.model)  # master weights changed: refresh the fake-quant cache
