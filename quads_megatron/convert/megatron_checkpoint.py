@@ -98,15 +98,29 @@ def resolve_checkpoint_dir(path) -> Path:
     return path
 
 
-def read_hf_config(ckpt_dir) -> dict:
-    """The HF config.json stored in a checkpoint written by ``save_megatron_checkpoint``."""
+def read_common_state(ckpt_dir) -> dict:
+    """The non-sharded (rank-0) objects of a checkpoint: ``hf_config`` (ours), ``quads_recipe`` (trainer's)."""
     from megatron.core import dist_checkpointing
 
-    common = dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(ckpt_dir)))
+    return dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(ckpt_dir)))
+
+
+def read_hf_config(ckpt_dir) -> dict:
+    """The HF config.json stored in a checkpoint written by ``save_megatron_checkpoint``."""
+    common = read_common_state(ckpt_dir)
     if HF_CONFIG_KEY not in common:
         raise CheckpointError(f"{ckpt_dir}: has no stored '{HF_CONFIG_KEY}' (not written by quads-convert-hf-"
-                              "to-megatron); pass --hf-config with the model's config.json")
+                              "to-megatron); pass --hf-config with the model's config.json, or --preset")
     return json.loads(common[HF_CONFIG_KEY])
+
+
+def hf_config_from_preset(preset: str) -> dict:
+    """HF config.json of a trainer preset (``quads_megatron.megatron.presets``), for its checkpoints."""
+    from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_config, qwen3_moe_model_args
+
+    args = qwen3_moe_model_args(preset)
+    return hf_qwen3_moe_config_dict(qwen3_moe_config(preset), args["vocab_size"], args["max_seq_len"],
+                                    rotary_base=args["rotary_base"])
 
 
 def load_megatron_checkpoint(model, ckpt_dir) -> None:

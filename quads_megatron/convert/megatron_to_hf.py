@@ -21,6 +21,8 @@ from quads_megatron.convert.output_dir import atomic_output_dir, check_output_pa
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+RECIPE_FILE = "quads_recipe.json"
+RECIPE_KEY = "quads_recipe"   # quads_megatron.megatron.checkpoint's common-state key
 
 
 def parse_args(argv=None):
@@ -29,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--save-dir", required=True, help="output HF checkpoint directory")
     p.add_argument("--hf-config", default=None,
                    help="config.json (or its directory) when the checkpoint does not carry one")
+    p.add_argument("--preset", choices=("tiny", "qwen3-30b-a3b"), default=None,
+                   help="architecture of a trainer checkpoint that carries no HF config (instead of --hf-config)")
     p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer/generation files from this HF directory")
     p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="bf16", help="dtype of the written tensors")
     p.add_argument("--max-shard-size", default="5GB")
@@ -38,17 +42,24 @@ def parse_args(argv=None):
 
 
 def load_hf_config(args) -> dict:
+    """--hf-config, else --preset, else the config stored in the checkpoint."""
+    from quads_megatron.convert.megatron_checkpoint import hf_config_from_preset, read_hf_config
+
     if args.hf_config:
         path = Path(args.hf_config)
         return read_json(path / "config.json" if path.is_dir() else path, "--hf-config")
-    from quads_megatron.convert.megatron_checkpoint import read_hf_config
-
+    if args.preset:
+        return hf_config_from_preset(args.preset)
     return read_hf_config(args.load_dir)
 
 
 def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtype, force=False, dry_run=False,
-                        max_shard_bytes: int, tokenizer_dir=None):
-    """Write ``(name, tensor)`` pairs + config.json as an HF checkpoint, validated before it appears."""
+                        max_shard_bytes: int, tokenizer_dir=None, recipe_json: str | None = None):
+    """Write ``(name, tensor)`` pairs + config.json as an HF checkpoint, validated before it appears.
+
+    ``recipe_json`` (the trainer's QuadsRecipe) is kept as ``quads_recipe.json``, which
+    ``quads-export-rollout`` then uses by default.
+    """
     dims = qwen3_moe.dims_from_hf_config(hf_config)
     expected = qwen3_moe.hf_shapes(dims)
     config = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
@@ -66,6 +77,8 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
             writer.add(name, t.to(dtype))
         writer.close()
         write_json(tmp / "config.json", config)
+        if recipe_json:
+            (tmp / RECIPE_FILE).write_text(recipe_json + "\n")
         if tokenizer_dir:
             for f in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / f).is_file():
@@ -78,7 +91,8 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
 def main(argv=None):
     args = parse_args(argv)
     from quads_megatron.convert.live import iter_hf_weights
-    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+    from quads_megatron.convert.megatron_checkpoint import (build_model_from_hf_config, load_megatron_checkpoint,
+                                                            read_common_state)
     from quads_megatron.megatron.parallel import initialize_distributed
 
     tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
@@ -91,12 +105,13 @@ def main(argv=None):
         hf_config, tp=tp, ep=ep, etp=etp, spec="te" if args.transformer_impl == "transformer_engine" else "local",
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     load_megatron_checkpoint(model, args.load_dir)
+    recipe_json = read_common_state(args.load_dir).get(RECIPE_KEY) if rank0 else None
     dims = qwen3_moe.dims_from_hf_config(hf_config)
     weights = iter_hf_weights(model, vocab_size=dims.vocab_size, progress=rank0 and not args.no_progress)
     if rank0:
         out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
                                   dry_run=args.dry_run, max_shard_bytes=cli.parse_size(args.max_shard_size),
-                                  tokenizer_dir=args.tokenizer_dir)
+                                  tokenizer_dir=args.tokenizer_dir, recipe_json=recipe_json)
         if out is not None:
             print(f"wrote {out}")
     else:

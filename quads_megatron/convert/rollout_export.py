@@ -23,7 +23,7 @@ from quads_megatron.convert.calibration import calibrate, load_prompts, random_p
 from quads_megatron.convert.errors import CheckpointError
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
                                                   read_json, write_json)
-from quads_megatron.convert.megatron_to_hf import TOKENIZER_FILES
+from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
 from quads_megatron.convert.nvfp4_export import expert_input_scale, quantize_expert_linear, scope_from_recipe
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
 
@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--load-dir", required=True, help="HF checkpoint directory (BF16)")
     p.add_argument("--save-dir", required=True, help="output rollout checkpoint directory")
     p.add_argument("--format", choices=FORMATS, default="quads")
-    p.add_argument("--recipe", default=None, help="QuadsRecipe JSON file (default: QuadsRecipe())")
+    p.add_argument("--recipe", default=None,
+                   help="QuadsRecipe JSON file (default: --load-dir/quads_recipe.json if present, else QuadsRecipe())")
     p.add_argument("--activation-mode", choices=("w4a4_rac", "w4a4", "w4a16"), default="w4a4_rac",
                    help="--format quads only; modelopt is always w4a4 with static input_scale")
     p.add_argument("--activation-scaling", choices=("per_token", "static"), default=None,
@@ -152,7 +153,13 @@ def quant_configs(fmt: str, settings: dict, exclude: list, recipe, calib_info: d
 def export_rollout(args) -> Path | None:
     from quads_megatron.recipe import QuadsRecipe
 
-    recipe = QuadsRecipe.from_json(Path(args.recipe).read_text()) if args.recipe else QuadsRecipe()
+    recipe_path = Path(args.recipe) if args.recipe else Path(args.load_dir) / RECIPE_FILE
+    if args.recipe and not recipe_path.is_file():
+        raise CheckpointError(f"--recipe {recipe_path}: file not found")
+    try:
+        recipe = QuadsRecipe.from_json(recipe_path.read_text()) if recipe_path.is_file() else QuadsRecipe()
+    except ValueError as e:
+        raise CheckpointError(f"{recipe_path}: not a valid QuadsRecipe ({e})") from None
     if not args.dry_run:
         check_output_path(args.save_dir, force=args.force)
     ckpt = HFCheckpoint(args.load_dir)

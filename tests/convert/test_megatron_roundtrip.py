@@ -107,3 +107,32 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
 
 def _bits(t):
     return t.reshape(-1).view(torch.uint8)
+
+
+def test_trainer_checkpoint_to_hf_to_rollout_keeps_the_recipe(tiny_hf, tp1_megatron, tmp_path):
+    """A checkpoint saved by the trainer (AQAT model, recipe in common state, no HF config) converts with
+    --preset; its recipe travels as quads_recipe.json and decides the rollout export's BF16 carve-outs."""
+    import json
+
+    from quads_megatron.convert import rollout_export
+    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+    from quads_megatron.megatron.aqat import apply_quads
+    from quads_megatron.megatron.checkpoint import save_checkpoint
+    from quads_megatron.recipe import QuadsRecipe
+
+    config = HFCheckpoint(tiny_hf).config
+    model = build_model_from_hf_config(config)
+    load_megatron_checkpoint(model, tp1_megatron)
+    recipe = QuadsRecipe(bf16_last_layers=1)
+    apply_quads(model, recipe)
+    save_checkpoint(model, str(tmp_path / "trainer"))
+    with pytest.raises(Exception, match="pass --hf-config"):
+        megatron_to_hf.main(["--load-dir", str(tmp_path / "trainer"), "--save-dir", str(tmp_path / "x")])
+    megatron_to_hf.main(["--load-dir", str(tmp_path / "trainer"), "--save-dir", str(tmp_path / "hf"),
+                         "--preset", "tiny", "--no-progress"])
+    assert_same_checkpoint(tiny_hf, tmp_path / "hf")
+    assert QuadsRecipe.from_json((tmp_path / "hf" / "quads_recipe.json").read_text()) == recipe
+    rollout_export.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "rollout"),
+                         "--activation-mode", "w4a16", "--no-progress"])
+    qc = json.loads((tmp_path / "rollout" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.1.mlp.experts*" in qc["exclude_modules"] and qc["recipe"] == recipe.to_dict()
