@@ -18,6 +18,13 @@ pytest.importorskip("sglang", reason="SGLang is not installed")
 PREFIX = "model.layers.0.mlp."
 
 
+@pytest.fixture(autouse=True)
+def triton_kernels_on_cpu(monkeypatch):
+    """Run the layers' apply through the Triton kernels (the interpreter on CPU), not the torch
+    reference the ops fall back to on CPU, so the comparison below is kernel vs reference."""
+    monkeypatch.setenv("QUADS_KERNELS_ON_CPU", "triton")
+
+
 def _disk_tensors(path) -> dict:
     """Layer 0's expert tensors as SGLang's loader streams them, names relative to `mlp.`."""
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
