@@ -6,6 +6,7 @@ argv: HF_DIR TP1_MEGATRON_DIR OUT_DIR.  Writes under OUT_DIR:
   hf_tp1_in_tp2ep2/    the TP=1 checkpoint -> HF, loaded in TP=2 / EP=2
   logits_tp2ep2.pt     fp32 Megatron logits (TP=2 / EP=2) of the fixed ids
   live_nvfp4.pt        iter_hf_weights(scope=QuantScope()) from the TP=2 / EP=2 model (rank 0)
+  local_expert_names.pt     per rank: expert tensor names iter_hf_weights(experts="local") yields
   fake_quant_mismatches.pt  per rank: expert weights where apply_quads' fake quant != the synced NVFP4
 """
 
@@ -73,10 +74,13 @@ def main():
     for name, t in iter_hf_weights(model, vocab_size=config["vocab_size"], scope=QuantScope()):
         if ".experts." in name:
             live[name] = t.clone()
+    local = [None] * dist.get_world_size()   # experts="local": each EP rank sends only its own experts
+    dist.all_gather_object(local, sorted(n for n, _ in iter_hf_weights(model, experts="local") if ".experts." in n))
     bad = [None] * dist.get_world_size()
     dist.all_gather_object(bad, fake_quant_mismatches(model, config["vocab_size"]))
     if dist.get_rank() == 0:
         torch.save(bad, f"{out}/fake_quant_mismatches.pt")
+        torch.save(local, f"{out}/local_expert_names.pt")
         torch.save(logits, f"{out}/logits_tp2ep2.pt")
         torch.save(live, f"{out}/live_nvfp4.pt")
     dist.barrier()

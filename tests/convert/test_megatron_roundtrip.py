@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_checkpoint
+from convert_fixtures import assert_same_checkpoint
 from quads_megatron.convert import hf_to_megatron, megatron_to_hf, qwen3_moe
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 from quads_megatron.convert.nvfp4_export import quantize_expert_linear
@@ -91,6 +91,10 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     torch.testing.assert_close(logits, _hf_logits(tiny_hf, ids), rtol=0, atol=LOGITS_ATOL)
 
     assert torch.load(tmp_path / "fake_quant_mismatches.pt") == [[], []]
+    rank0, rank1 = torch.load(tmp_path / "local_expert_names.pt")   # EP=2: experts 0-1 on rank 0, 2-3 on rank 1
+    assert rank0 and not set(rank0) & set(rank1)
+    assert sorted(rank0 + rank1) == sorted(n for n in HFCheckpoint(tiny_hf).keys() if ".experts." in n)
+    assert all(".experts.0." in n or ".experts.1." in n for n in rank0)
     # Already-quantized weight sync from the sharded model == offline quantization of the HF weights.
     live = torch.load(tmp_path / "live_nvfp4.pt")
     dims = qwen3_moe.dims_from_hf_config(config)

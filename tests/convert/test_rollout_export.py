@@ -138,3 +138,16 @@ def test_recipe_carve_out_keeps_a_layer_bf16(tiny_hf, tmp_path):
         assert torch.equal(ck.get(name), src.get(name))
         assert ck.dtype("model.layers.1.mlp.experts.1.up_proj.weight") == torch.uint8
         assert not [n for n in ck.keys() if n.endswith(("input_scale", "input_comp_index"))]
+
+
+def test_static_activation_scaling_calibrates_with_the_static_scale(tiny_hf, quads_ckpt, tmp_path):
+    out = tmp_path / "static"
+    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--rac-channels", str(K),
+                         "--activation-scaling", "static", *CALIB])
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["activation_scaling"] == "static"
+    with HFCheckpoint(out) as st, HFCheckpoint(quads_ckpt) as pt:
+        name = "model.layers.0.mlp.experts.0.gate_proj."
+        assert torch.equal(st.get(name + "input_scale"), pt.get(name + "input_scale"))   # same calibration amax
+        idx = st.get(name + "input_comp_index")
+        assert idx.shape == (K,) and idx.dtype == torch.int32
