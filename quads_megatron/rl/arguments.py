@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-engine", choices=["local", "sglang"], default="local")
     g.add_argument("--sglang-url", action="append", default=None,
                    help="SGLang server URL(s) (repeat or comma-separate); prompts are spread over them")
+    g.add_argument("--sglang-router-url", default=None,
+                   help="generate through this SGLang router; weights still go to every --sglang-url worker")
     g.add_argument("--sglang-weight-sync", choices=["tensor", "disk"], default="tensor")
     g.add_argument("--sglang-sync-dir", default=None, help="directory for --sglang-weight-sync disk")
 

@@ -109,7 +109,8 @@ class GRPOTrainer:
             from .engines.sglang_http import SGLangEngine, parse_urls
 
             return SGLangEngine(parse_urls(a.sglang_url), a.seq_length, weight_sync=a.sglang_weight_sync,
-                                sync_dir=a.sglang_sync_dir, hf_config=self.policy.hf_config(), tokenizer=self.tokenizer)
+                                sync_dir=a.sglang_sync_dir, hf_config=self.policy.hf_config(), tokenizer=self.tokenizer,
+                                router_url=a.sglang_router_url)
         from .engines.local import LocalEngine
 
         opts = {"rac_channels": a.rac_channels, "quantize_attention": a.rollout_quantize_attention}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -25,10 +24,12 @@ class SGLangEngine(RolloutEngine):
     memory, so trainer and server must share a host) or "disk" (safetensors written to
     `sync_dir`, then update_weights_from_disk; works across hosts with a shared filesystem).
     Log-probs come from SGLang's `output_token_logprobs`, i.e. softmax(logits / temperature).
+    With `router_url` (an SGLang router) generation goes through the router and weight updates
+    go to every worker URL.
     """
 
     def __init__(self, urls: list[str], max_seq_len: int, weight_sync: str = "tensor", sync_dir: str | None = None,
-                 timeout_s: float = 600.0, hf_config=None, tokenizer=None):
+                 timeout_s: float = 600.0, hf_config=None, tokenizer=None, router_url: str | None = None):
         import requests  # noqa: F401  (fail early with ImportError if missing)
 
         if not urls:
@@ -42,6 +43,9 @@ class SGLangEngine(RolloutEngine):
         self.timeout_s = timeout_s
         self.hf_config = hf_config
         self.tokenizer = tokenizer
+        self.router_url = router_url.rstrip("/") if router_url else None
+        if self.router_url:
+            self._get(self.router_url, "/health", timeout=10)
         self.tp_sizes = {}
         for u in self.urls:
             info = self._get(u, "/get_server_info", timeout=10)
@@ -107,10 +111,11 @@ class SGLangEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
         params.validate()
         check_prompt_lengths(prompts, params.max_new_tokens, self.max_seq_len)
-        n = len(self.urls)
+        targets = [self.router_url] if self.router_url else self.urls
+        n = len(targets)
         bounds = [len(prompts) * i // n for i in range(n + 1)]
         futs = [self._pool.submit(self._generate_chunk, u, prompts[bounds[i]:bounds[i + 1]], params, seed + i)
-                for i, u in enumerate(self.urls) if bounds[i + 1] > bounds[i]]
+                for i, u in enumerate(targets) if bounds[i + 1] > bounds[i]]
         return [r for f in futs for r in f.result()]
 
     # ------------------------------------------------------------------ weights

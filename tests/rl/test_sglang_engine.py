@@ -1,0 +1,110 @@
+"""SGLang HTTP engine against a minimal server speaking SGLang's wire format (SGLang cannot serve on CPU).
+
+Checks what the engine sends (generate payload, begin/update/end weight-update order, the synced
+safetensors) and how it reads responses and errors; the real server is exercised on GPU.
+"""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quads_megatron.rl.engines.base import SamplingParams
+from quads_megatron.rl.engines.sglang_http import SGLangEngine, SGLangError
+
+
+class _Server:
+    def __init__(self, fail_update=False):
+        self.calls, self.fail_update = [], fail_update
+        owner = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, obj, code=200):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                owner.calls.append((self.path, None))
+                self._reply({"tp_size": 1} if self.path == "/get_server_info" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                owner.calls.append((self.path, body))
+                if self.path == "/generate":
+                    n = body["sampling_params"]["max_new_tokens"]
+                    return self._reply([{"output_ids": [7] * (n - 1) + [1],
+                                         "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * (n - 1) + [[-0.1, 1, None]],
+                                                       "finish_reason": {"type": "stop"}}} for _ in body["input_ids"]])
+                if self.path == "/update_weights_from_disk" and owner.fail_update:
+                    return self._reply({"success": False, "message": "shape mismatch in w13_weight"}, 400)
+                self._reply({"success": True, "message": ""})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def paths(self):
+        return [p for p, _ in self.calls]
+
+
+@pytest.fixture
+def servers():
+    made = []
+
+    def make(**kw):
+        made.append(_Server(**kw))
+        return made[-1]
+    yield make
+    for s in made:
+        s.httpd.shutdown()
+
+
+def test_generate_spreads_prompts_and_reads_logprobs(servers):
+    a, b = servers(), servers()
+    eng = SGLangEngine([a.url, b.url], max_seq_len=32)
+    outs = eng.generate([[2, 5, 6]] * 3, SamplingParams(temperature=0.7, max_new_tokens=4, stop_token_ids=[1]), seed=3)
+    assert [o.response_ids for o in outs] == [[7, 7, 7, 1]] * 3
+    assert outs[0].logprobs == [-0.5, -0.5, -0.5, -0.1] and all(o.finished for o in outs)
+    ga = [body for p, body in a.calls if p == "/generate"][0]
+    gb = [body for p, body in b.calls if p == "/generate"][0]
+    assert len(ga["input_ids"]) + len(gb["input_ids"]) == 3 and ga["return_logprob"] is True
+    assert ga["sampling_params"]["temperature"] == 0.7 and ga["sampling_params"]["stop_token_ids"] == [1]
+    with pytest.raises(ValueError, match="exceeds --seq-length 32"):
+        eng.generate([[2] * 30], SamplingParams(max_new_tokens=4), seed=0)
+
+
+def test_weight_update_from_disk_is_bracketed(servers, tmp_path):
+    s = servers()
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="disk", sync_dir=str(tmp_path))
+    w = {"model.embed_tokens.weight": torch.randn(8, 4), "model.layers.0.mlp.experts.0.gate_proj.weight_scale_2": torch.tensor(0.5)}
+    eng.update_weights(w.items())
+    upd = [p for p in s.paths() if "weight" in p]
+    assert upd == ["/begin_weight_update", "/update_weights_from_disk", "/end_weight_update"]
+    path = [b for p, b in s.calls if p == "/update_weights_from_disk"][0]["model_path"]
+    got = load_file(f"{path}/model.safetensors")
+    assert set(got) == set(w) and torch.equal(got["model.embed_tokens.weight"], w["model.embed_tokens.weight"])
+
+
+def test_failed_update_raises_and_still_closes_session(servers, tmp_path):
+    s = servers(fail_update=True)
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="disk", sync_dir=str(tmp_path))
+    with pytest.raises(SGLangError, match="shape mismatch in w13_weight"):
+        eng.update_weights([("x.weight", torch.zeros(2))])
+    assert s.paths()[-1] == "/end_weight_update"
+
+
+def test_router_generates_through_router(servers):
+    worker, router = servers(), servers()
+    eng = SGLangEngine([worker.url], max_seq_len=32, router_url=router.url)
+    eng.generate([[2, 3]] * 2, SamplingParams(max_new_tokens=2, stop_token_ids=[1]), seed=0)
+    assert "/generate" in router.paths() and "/generate" not in worker.paths()
