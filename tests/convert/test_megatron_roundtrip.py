@@ -15,7 +15,7 @@ from quads_megatron.convert.nvfp4_export import quantize_expert_linear
 
 # fp32 on both sides; measured max |diff| ~1e-6 on logits of magnitude ~1.5 (summation order only).
 LOGITS_ATOL = 1e-5
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).with_name("convert_dist_worker.py")
 
 
 def _ids(vocab):
@@ -63,7 +63,7 @@ def test_tp1_round_trip_is_bitwise_and_logits_match(tiny_hf, tp1_megatron, tmp_p
 
 def test_synced_nvfp4_weights_are_the_trainers_fake_quantized_weights(tiny_hf, tp1_megatron):
     """BF16 trainer + AQAT (apply_quads): what iter_hf_weights sends dequantizes to what forward uses."""
-    from dist_worker import fake_quant_mismatches
+    from convert_dist_worker import fake_quant_mismatches
     from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
 
     config = HFCheckpoint(tiny_hf).config
