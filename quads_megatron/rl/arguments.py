@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mis-high", type=float, default=2.0)
     g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the rollout policy")
     g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr.GRPO advantages (no std)")
-    g.add_argument("--sft-iters", type=int, default=60, help="supervised warm-up steps before GRPO (0: none)")
+    g.add_argument("--sft-iters", type=int, default=None,
+                   help="supervised warm-up steps before GRPO (default 60 for the tiny preset, 0 with --hf-checkpoint)")
     g.add_argument("--sft-lr", type=float, default=3e-3)
     g.add_argument("--sft-batch-size", type=int, default=64)
 
@@ -115,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("rollout_batch_size", "n_samples_per_prompt", "micro_batch_size", "seq_length", "max_new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.sft_iters is None:
+        args.sft_iters = 0 if args.hf_checkpoint else 60
     if args.exp_name is None:
         args.exp_name = f"grpo_{args.preset}_{args.quads_train}_{args.rollout_precision}"
     if args.tensorboard_dir is None:

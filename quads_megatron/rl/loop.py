@@ -96,8 +96,9 @@ class GRPOTrainer:
         self.eval_samples = self.task.eval_set()
         if not self.eval_samples:
             raise ValueError(f"task {args.task!r} has an empty eval set")
-        check_prompt_lengths([encode_prompt(self.tokenizer, s.prompt) for s in self.eval_samples],
-                             args.max_new_tokens, args.seq_length)
+        fixed = self.eval_samples + list(getattr(self.task, "samples", []))  # a JSONL task's training rows too
+        check_prompt_lengths([encode_prompt(self.tokenizer, s.prompt) for s in fixed], args.max_new_tokens,
+                             args.seq_length)
         self.engine = self._build_engine()
         self.logger = StepLogger(args.tensorboard_dir, enabled=_rank0())
         self.history: list[dict] = []

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tiny_flags import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,20 +20,23 @@ def _env():
     return env
 
 
-def test_torchrun_two_ranks_expert_parallel(tmp_path):
+@pytest.mark.parametrize("flag,shards", [
+    ("--expert-model-parallel-size", ["mp_rank_00_000", "mp_rank_00_001"]),
+    ("--tensor-model-parallel-size", ["mp_rank_00_000", "mp_rank_01_000"]),
+])
+def test_torchrun_two_ranks(tmp_path, flag, shards):
+    """EP=2 / TP=2 over gloo: experts and vocab-parallel logits gathered right (gap ~1e-7, not ~1e-1)."""
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           "--expert-model-parallel-size", "2", "--quads-train", "bf16", "--rollout-precision", "bf16",
+           flag, "2", "--quads-train", "bf16", "--rollout-precision", "bf16",
            "--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2",
            "--summary-json", str(summary), *TINY, "--tensorboard-dir", str(tmp_path / "tb")]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(summary.read_text())
     assert out["steps"] == 2
-    # experts gathered over EP into the rollout engine: same log-probs as the EP-sharded trainer
     assert all(h["gap"] < 1e-5 for h in out["history"]), out["history"]
-    shards = sorted(p.name for p in (tmp_path / "ck" / "iter_0000002").iterdir())
-    assert shards == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(p.name for p in (tmp_path / "ck" / "iter_0000002").iterdir()) == shards
 
 
 def test_bash_and_python_entry_points():
