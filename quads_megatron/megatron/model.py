@@ -44,11 +44,12 @@ def build_gpt_model(config, vocab_size: int, max_seq_len: int, *, spec: str = "l
                     pre_process: bool = True, post_process: bool = True, parallel_output: bool = True):
     """Megatron-Core GPTModel (RoPE) with the local spec by default, the TE spec when asked for.
 
-    Needs ``initialize_distributed`` (parallel_state) first.  With ``expert_seed`` (default) each
-    routed expert is re-initialised from a seed of its own (layer, global expert index), the full
-    logical weight generated and then sliced for this rank's expert-TP shard, so experts differ
-    across EP ranks and the model is the same for every TP/EP layout.  ``expert_seed=None``
-    keeps Megatron's initialisation.
+    Needs ``initialize_distributed`` (parallel_state) first.  With ``expert_seed`` (default) the
+    model is re-initialised layout-independently: each routed expert from a seed of its own
+    (layer, global expert index), every other matrix from a seed of its (global) name, the full
+    logical weight generated with Megatron's init method and then sliced for this rank's shard.
+    So experts differ across EP ranks and the model is the same for every TP/EP layout.
+    ``expert_seed=None`` keeps Megatron's initialisation.
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -60,8 +61,10 @@ def build_gpt_model(config, vocab_size: int, max_seq_len: int, *, spec: str = "l
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type="rope", rotary_base=rotary_base)
-    if expert_seed is not None and config.num_moe_experts:
-        init_experts_per_expert(model, expert_seed)
+    if expert_seed is not None:
+        init_dense_layout_independent(model, expert_seed)
+        if config.num_moe_experts:
+            init_experts_per_expert(model, expert_seed)
     return model
 
 
@@ -71,12 +74,45 @@ def _expert_seed(seed: int, layer_number: int, expert: int, which: str) -> int:
 
 
 def _full_expert_weight(init_method, shape, dtype, seed):
-    """Generate one logical (unsharded) expert weight with Megatron's init_method under a private seed."""
+    """Generate one logical (unsharded) weight with Megatron's init_method under a private seed."""
     full = torch.empty(shape, dtype=torch.float32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         init_method(full)
     return full.to(dtype)
+
+
+@torch.no_grad()
+def init_dense_layout_independent(model, seed: int):
+    """Re-initialise non-expert matrices (embedding, attention, router, dense MLP, output) per global name."""
+    from megatron.core import parallel_state
+
+    config = model.config
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    local_to_global = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+                       for i, layer in enumerate(getattr(model.decoder, "layers", []))}
+    for name, param in model.named_parameters():
+        if param.dim() < 2 or ".mlp.experts." in f".{name}":  # norms; routed experts
+            continue
+        key = name
+        for local, global_ in local_to_global.items():
+            if name.startswith(local):
+                key = global_ + name[len(local):]
+                break
+        scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+        init_method = config.output_layer_init_method if scaled else config.init_method
+        shape = list(param.shape)
+        sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        if sharded:
+            shape[param.partition_dim] *= tp_size
+        full = _full_expert_weight(init_method, tuple(shape), param.dtype,
+                                   _expert_seed(seed, 0, 0, key))
+        if sharded:  # Megatron's strided split (stride 2: [gate_r; up_r] of a SwiGLU fc1)
+            stride = getattr(param, "partition_stride", 1)
+            parts = full.chunk(tp_size * stride, dim=param.partition_dim)
+            full = torch.cat(parts[tp_rank::tp_size], dim=param.partition_dim)
+        param.copy_(full)
 
 
 def expert_shards(full_fc1, full_fc2, etp_rank: int, etp_size: int):

@@ -52,6 +52,14 @@ def test_tp2_model_computes_the_single_rank_loss(results):
     assert abs(tp1 - tp2) <= 1e-5 * abs(tp1), (tp1, tp2)
 
 
+def test_ep_layouts_compute_the_single_rank_loss(results):
+    """The builder's layout-independent init: EP=2 (and TP=2 x EP=2) is the same model as TP=1."""
+    for rank in results:  # same data-parallel rank, same batch
+        for layout, ref in (("tp1_ep2_etp1", "tp1_ep1_etp1"), ("tp2_ep2_etp1", "tp2_ep1_etp2")):
+            a, b = rank[layout]["loss"], rank[ref]["loss"]
+            assert abs(a - b) <= 1e-5 * abs(b), (layout, a, ref, b)
+
+
 def test_dist_checkpoint_resume_is_identical(results):
     for rank in results:
         r = rank["resume"]
