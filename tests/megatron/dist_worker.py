@@ -104,6 +104,46 @@ def check_layout(tp, ep, etp):
     return res
 
 
+def check_activation_quant_tp(tp):
+    """nvfp4 activation mode under expert-TP: fc2's K-sharded input, gathered, = fake_quantize(full input)."""
+    from megatron.core import parallel_state
+
+    from quads_megatron import nvfp4
+    from quads_megatron.megatron.aqat import apply_quads
+    from quads_megatron.megatron.model import build_gpt_model
+    from quads_megatron.megatron.parallel import initialize_distributed
+    from quads_megatron.megatron.presets import qwen3_moe_config
+    from quads_megatron.recipe import QuadsRecipe
+
+    initialize_distributed(tp=tp)
+    cfg = qwen3_moe_config("tiny", tensor_model_parallel_size=tp)
+    model = apply_quads(build_gpt_model(cfg, VOCAB, SEQ), QuadsRecipe(activation_mode="nvfp4"))
+    seen = []
+    for fc2 in (e.linear_fc2 for e in model.decoder.layers[0].mlp.experts.local_experts):
+        record = {}
+        fc2.register_forward_pre_hook(lambda m, a, r=record: r.setdefault("raw", a[0].detach()))
+        real = fc2._forward_impl
+
+        def spy(input, weight, *args, _real=real, _r=record, **kwargs):
+            _r.setdefault("gemm", input.detach())
+            return _real(input, weight, *args, **kwargs)
+
+        fc2._forward_impl = spy
+        seen.append(record)
+    tokens, pos, labels = _batch(0)
+    model(tokens, pos, None, labels=labels)
+    group = parallel_state.get_expert_tensor_parallel_group()
+    ok, checked = True, 0
+    for record in seen:
+        if record["raw"].shape[0] == 0:
+            continue
+        raw = torch.cat(_gather(record["raw"], group), dim=-1)
+        gemm = torch.cat(_gather(record["gemm"], group), dim=-1)
+        ok &= torch.equal(gemm, nvfp4.fake_quantize(raw, per_row=True))
+        checked += 1
+    return dict(bitwise=ok, checked=checked)
+
+
 def check_checkpoint_resume(tp, ep, ckpt_dir):
     """Megatron DDP + optimizer: save after 2 steps, load into a fresh model, next losses identical."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -170,6 +210,7 @@ def main():
     results = {}
     for tp, ep, etp in ((1, 1, None), (2, 1, None), (1, 2, None), (2, 2, 1)):
         results[f"tp{tp}_ep{ep}_etp{etp or tp}"] = check_layout(tp, ep, etp)
+    results["act_tp2"] = check_activation_quant_tp(2)
     ckpt = os.path.join(out_dir, "ckpt")
     results["resume"] = check_checkpoint_resume(1, 2, ckpt)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -41,10 +41,11 @@ def module(model, name):
     return dict(model.named_modules())[name]
 
 
-def test_straight_through_gradient_equals_dequantized_weight_gradient():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_straight_through_gradient_equals_dequantized_weight_gradient(dtype):
     from quads_megatron.megatron.aqat import apply_quads, fake_quantized_state
 
-    qat, ref = apply_quads(build()), build()
+    qat, ref = apply_quads(build(params_dtype=dtype)), build(params_dtype=dtype)
     fq = fake_quantized_state(qat)
     assert len(fq) == 16  # 2 layers x 4 experts x (fc1, fc2)
     with torch.no_grad():

@@ -60,6 +60,12 @@ def test_ep_layouts_compute_the_single_rank_loss(results):
             assert abs(a - b) <= 1e-5 * abs(b), (layout, a, ref, b)
 
 
+def test_per_token_activation_scale_spans_the_k_shards(results):
+    """activation_mode='nvfp4' under expert-TP=2: gathered fc2 GEMM input = fake_quantize(full input)."""
+    for rank in results:
+        assert rank["act_tp2"]["checked"] > 0 and rank["act_tp2"]["bitwise"]
+
+
 def test_dist_checkpoint_resume_is_identical(results):
     for rank in results:
         r = rank["resume"]
