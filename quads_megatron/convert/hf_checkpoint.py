@@ -115,10 +115,6 @@ class HFCheckpoint:
         self._slice(name)  # clear error when absent
         return self._open(self.weight_map[name]).get_tensor(name)
 
-    def get_rows(self, name, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0 without reading the rest of the tensor."""
-        return self._slice(name)[start:stop]
-
     def validate(self, expected: dict, *, dtype: torch.dtype | None = None, dtypes: dict | None = None,
                  what: str = "config.json"):
         """Check names and shapes against ``{name: shape}`` from the config, and dtypes: one for every
@@ -134,6 +130,10 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: {len(missing)} tensor(s) expected from {what} are "
                                   f"missing, first: {missing[:5]}")
         if extra:
+            fused = [n for n in extra if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+            if fused:
+                raise CheckpointError(f"{self.path}: {fused[0]} is transformers' in-memory fused expert layout; "
+                                      "save the model with save_pretrained (per-expert experts.N.*_proj keys)")
             raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) not expected from {what}, "
                                   f"first: {extra[:5]}")
         for name in sorted(expected):

@@ -109,11 +109,16 @@ def main(argv=None):
     dims = qwen3_moe.dims_from_hf_config(hf_config)
     weights = iter_hf_weights(model, vocab_size=dims.vocab_size, progress=rank0 and not args.no_progress)
     if rank0:
-        out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
-                                  dry_run=args.dry_run, max_shard_bytes=cli.parse_size(args.max_shard_size),
-                                  tokenizer_dir=args.tokenizer_dir, recipe_json=recipe_json)
-        if out is not None:
-            print(f"wrote {out}")
+        try:
+            out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
+                                      dry_run=args.dry_run, max_shard_bytes=cli.parse_size(args.max_shard_size),
+                                      tokenizer_dir=args.tokenizer_dir, recipe_json=recipe_json)
+            if out is not None:
+                print(f"wrote {out}")
+        except BaseException:
+            for _ in weights:  # keep the other ranks' gathers going so they exit instead of hanging
+                pass
+            raise
     else:
         for _ in weights:  # take part in the gathers
             pass
