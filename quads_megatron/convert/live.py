@@ -4,7 +4,9 @@ This is the RL weight-sync path and the back half of the Megatron -> HF converte
 the model-parallel group calls it with the same arguments (it runs collectives) and receives
 full tensors one parameter at a time: a tensor-parallel piece is all-gathered over (expert-)TP,
 an expert over EP as well, so no rank ever holds more than one gathered parameter (times the EP
-size for experts).  With ``scope`` the routed experts come out already in NVFP4 (ModelOpt names).
+size for experts).  With ``scope`` the routed experts come out already in NVFP4 (ModelOpt names);
+the activation-side tensors (``input_scale``, ``input_comp_index``) are calibration results, not
+weights, and stay as the rollout checkpoint (``quads-export-rollout``) wrote them.
 """
 
 import torch
