@@ -15,7 +15,7 @@ def test_trainer_starts_from_hf_checkpoint(tiny_args, tmp_path):
     d = hf_qwen3_moe_config_dict(qwen3_moe_config("tiny"), 128, 16)
     d.pop("model_type")
     torch.manual_seed(7)
-    hf = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**d)).eval()
+    hf = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**d), dtype=torch.float32).eval()  # fp32 compare
     hf.save_pretrained(tmp_path / "ck")
     build_char_tokenizer().save_pretrained(tmp_path / "ck")
 
