@@ -15,6 +15,11 @@ _EXPORTS = {
     "build_gpt_model": "quads_megatron.megatron.model",
     "apply_quads": "quads_megatron.megatron.aqat",
     "post_optimizer_hook": "quads_megatron.megatron.aqat",
+    "register_post_optimizer_hook": "quads_megatron.megatron.aqat",
+    "QuadsConverter": "quads_megatron.megatron.aqat",
+    "save_checkpoint": "quads_megatron.megatron.checkpoint",
+    "load_checkpoint": "quads_megatron.megatron.checkpoint",
+    "load_recipe": "quads_megatron.megatron.checkpoint",
 }
 
 
