@@ -5,7 +5,9 @@ T in {16, 64, 256, 1024, 4096}: fc1 (N = 1536, K = 2048) and fc2 (N = 2048, K = 
 GEMMs over expert-sorted rows (balanced routing), the activation quantization (+RAC) pre-pass,
 the whole fused MoE, and one dense linear. Baselines: torch._grouped_mm (BF16) and
 torch._scaled_grouped_mm (FP8 e4m3, row-wise scales) called as in ../shared/notes/h200_anchors.py.
-Median of CUDA-event timings after warm-up; weights are larger than L2 (dense: rotated copies).
+Median of CUDA-event timings of CUDA-graph replays (10 calls per graph) after warm-up, so host
+launch overhead is excluded (SGLang decodes under CUDA graphs); weights are larger than L2
+(dense: rotated copies).
 
     PYTHONPATH=. python3 tools/bench_w4a4_gemm.py [--sweep] [--json out.json]
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/bench_w4a4_gemm.py --tiny   # CPU smoke run
@@ -28,38 +30,46 @@ from sglang_ext.kernels.act_quant import quantize_activation_rac  # noqa: E402
 from sglang_ext.kernels.gemm import GemmConfig, default_config, launch_gemm  # noqa: E402
 from sglang_ext.kernels.routing import moe_align_block_size  # noqa: E402
 
-SWEEP = {
-    "small": [GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 128, 128, 4, 3),
-              GemmConfig(16, 64, 256, 4, 3), GemmConfig(16, 32, 256, 4, 4),
-              GemmConfig(16, 128, 256, 8, 3)],
-    "mid": [GemmConfig(64, 64, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
-            GemmConfig(32, 64, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4)],
-    "large": [GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 64, 128, 8, 3),
-              GemmConfig(64, 128, 64, 4, 3), GemmConfig(128, 128, 128, 8, 3),
-              GemmConfig(128, 256, 64, 8, 3)],
+SWEEP = {  # spill-free on sm_90 per ptxas (checked offline), plus more warps for decode
+    "small": [GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 32, 256, 4, 4),
+              GemmConfig(16, 64, 256, 4, 3), GemmConfig(16, 128, 128, 4, 3),
+              GemmConfig(16, 64, 128, 8, 4), GemmConfig(16, 128, 128, 8, 3)],
+    "mid": [GemmConfig(64, 128, 64, 8, 3), GemmConfig(32, 64, 128, 4, 4),
+            GemmConfig(64, 64, 64, 4, 4), GemmConfig(32, 128, 64, 8, 3)],
+    "large": [GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 128, 32, 8, 4),
+              GemmConfig(64, 128, 64, 8, 3), GemmConfig(128, 64, 64, 8, 3)],
 }
 
 
-def timer(fn, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of fn (CUDA events on GPU, perf_counter on CPU)."""
+def timer(fn, iters: int, warmup: int = 3, reps: int = 10) -> float:
+    """Median milliseconds per call of fn. On GPU fn is captured `reps` times into one CUDA
+    graph (as SGLang serves decode) and replays are timed with CUDA events, so host launch
+    overhead stays out; on CPU, perf_counter."""
     for _ in range(warmup):
         fn()
-    cuda = torch.cuda.is_available()
-    ts = []
-    for _ in range(iters):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        else:
+    if not torch.cuda.is_available():
+        ts = []
+        for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
+        return sorted(ts)[len(ts) // 2]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / reps)
+    return sorted(ts)[len(ts) // 2]
 
 
 def rand_packed(e, n, k, dev):
@@ -130,8 +140,8 @@ def grouped_case(t, gemm, shapes, dev, iters, k_comp, sweep):
     best = None
     for cfg in configs:
         routing = moe_align_block_size(ti, cfg.block_m, e)
-        fn = lambda: launch_gemm(qa.data, qa.scale, qa.s_dec, *w, out, routing=routing,  # noqa
-                                 r=(qa.r_data, qa.r_scale, qa.r_s_dec), comp_index=comp,
+        fn = lambda: launch_gemm(qa.values, qa.s_dec, *w, out, routing=routing,  # noqa
+                                 r=(qa.r_values, qa.r_s_dec), comp_index=comp,
                                  config=cfg, **kw)
         try:
             ms = timer(fn, iters)
@@ -143,7 +153,7 @@ def grouped_case(t, gemm, shapes, dev, iters, k_comp, sweep):
             best = (cfg, ms)
     cfg = best[0]
     routing = moe_align_block_size(ti, cfg.block_m, e)
-    naive = timer(lambda: launch_gemm(qa.data, qa.scale, qa.s_dec, *w, out, routing=routing,
+    naive = timer(lambda: launch_gemm(qa.values, qa.s_dec, *w, out, routing=routing,
                                       config=cfg, **kw), iters)
     if gemm == "fc1":
         aq = timer(lambda: quantize_activation_rac(x, comp), iters)
@@ -166,7 +176,7 @@ def moe_case(t, shapes, dev, iters, k_comp):
                                         w13_comp_index=c13, w2_comp_index=c2), iters)
 
 
-def dense_case(m, n, k, dev, iters, k_comp, copies=4):
+def dense_case(m, n, k, dev, iters, k_comp, copies=16):
     """One linear [m, k] x [n, k]^T: W4A4+RAC (weights rotated past L2) vs bf16 / fp8 matmul."""
     ws = [rand_packed(1, n, k, dev) for _ in range(copies)]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -177,20 +187,21 @@ def dense_case(m, n, k, dev, iters, k_comp, copies=4):
 
     def ours():
         w = ws[next(it) % copies]
-        launch_gemm(qa.data, qa.scale, qa.s_dec, w[0], w[1], w[2][:1], out, m=m,
-                    r=(qa.r_data, qa.r_scale, qa.r_s_dec), comp_index=comp)
+        launch_gemm(qa.values, qa.s_dec, w[0], w[1], w[2][:1], out, m=m,
+                    r=(qa.r_values, qa.r_s_dec), comp_index=comp)
 
-    res = dict(m=m, n=n, k=k, rac_ms=timer(ours, iters),
+    res = dict(m=m, n=n, k=k, rac_ms=timer(ours, iters, reps=copies),
                actq_ms=timer(lambda: quantize_activation_rac(x, comp), iters))
     if torch.cuda.is_available():
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
-        res["bf16_ms"] = timer(lambda: x @ wb[next(it) % copies].t(), iters)
+        res["bf16_ms"] = timer(lambda: x @ wb[next(it) % copies].t(), iters, reps=copies)
         w8 = [w_.to(torch.float8_e4m3fn) for w_ in wb]
         x8 = x.to(torch.float8_e4m3fn)
         sa, sb = torch.ones(m, 1, device=dev), torch.ones(1, n, device=dev)
         try:
             res["fp8_ms"] = timer(lambda: torch._scaled_mm(
-                x8, w8[next(it) % copies].t(), sa, sb, out_dtype=torch.bfloat16), iters)
+                x8, w8[next(it) % copies].t(), sa, sb, out_dtype=torch.bfloat16), iters,
+                reps=copies)
         except Exception as exc:  # noqa: BLE001
             res["fp8_ms"] = f"ERR {str(exc)[:60]}"
     return res

@@ -1,13 +1,15 @@
 """Online NVFP4 activation quantization (+ RAC residual, + fused SiLU(gate)*up) in one Triton pass per row block.
 
 Per-token amax needs the whole row before any block can be encoded, so this runs as a
-small pre-pass ahead of the GEMM instead of inside its A-tile load: each GEMM program
-would otherwise re-read and re-reduce the full bf16 row for every N tile, whereas this
-kernel reads x once (two sweeps over a row that stays in L1/L2) and hands the GEMM a
-packed A that is 3.6x smaller than bf16. Output is bit-identical to
-`quads_megatron.rac.quantize_compensated` (i.e. `quantize(x, per_row=True)` / static
-`quantize(x, amax=...)`, and `quantize(r, per_row=True)` for the residual): the block
-encode is the lead's `nvfp4_block_quantize`; decodes use `e2m1_decode` / `e4m3_decode`.
+small pre-pass ahead of the GEMM instead of inside its A-tile load: each GEMM program would
+otherwise re-read and re-reduce the full row for every N tile and re-decode the A tile,
+whereas this kernel reads x once (two sweeps over a row that stays in L1/L2) and writes the
+packed NVFP4 activation (codes, E4M3 scales, per-row S_dec: what a native FP4 GEMM and the
+checkpoint tools read) plus its exact fp16 values e2m1 * e4m3 * 2^-7 (what the Hopper GEMM
+multiplies). Output is bit-identical to `quads_megatron.rac.quantize_compensated` (i.e.
+`quantize(x, per_row=True)` / static `quantize(x, amax=...)`, and `quantize(r, per_row=True)`
+for the residual): the block encode is the lead's `nvfp4_block_quantize`; decodes use
+`e2m1_decode` / `e4m3_decode`.
 """
 
 from __future__ import annotations
@@ -59,9 +61,19 @@ def _store_packed(q_ptr, s_ptr, codes, sf_bits, rows, rmask, col0, K, BLOCK_M: t
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
-                      comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, KR,
-                      STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Store e2m1 * e4m3 * 2^-7 as fp16 (exact: at most 6 significant bits, |v| <= 21)."""
+    vals = tl.reshape(e2m1_decode(codes), (BLOCK_M, BLOCK_K // 16, 16)) * \
+        (sf_val * 0.0078125)[:, :, None]
+    tl.store(v_ptr + rows[:, None].to(tl.int64) * K + cols,
+             tl.reshape(vals, (BLOCK_M, BLOCK_K)).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
+                      comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
+                      WRITE_F16: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,6 +99,8 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         codes, sf_bits, sf_val = nvfp4_block_quantize(v, s_enc[:, None], s_dec[:, None],
                                                       BLOCK_K // 16, BLOCK_M)
         _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
+        if WRITE_F16:
+            _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
         tl.debug_barrier()  # the codes and scales just stored are read back below
@@ -110,26 +124,33 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         rcodes, rsf_bits, rsf_val = nvfp4_block_quantize(r, r_enc[:, None], r_dec[:, None],
                                                          BLOCK_KR // 16, BLOCK_M)
         _store_packed(r_ptr, rs_ptr, rcodes, rsf_bits, rows, rmask, 0, KR, BLOCK_M, BLOCK_KR)
+        if WRITE_F16:
+            _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], m, KR, BLOCK_M, BLOCK_KR)
 
 
 class QuantizedActivation(NamedTuple):
-    """Packed activation for the GEMM: codes [M, K//2], e4m3 scale bits [M, K//16], S_dec [M];
-    the RAC residual likewise on k gathered channels (None when k == 0)."""
+    """Quantized activation: codes [M, K//2], e4m3 scale bits [M, K//16], S_dec [M], and (for the
+    Hopper GEMM) `values` = e2m1 * e4m3 * 2^-7 as exact fp16 [M, K]; the RAC residual likewise
+    on the k gathered channels (None when k == 0)."""
     data: torch.Tensor
     scale: torch.Tensor
     s_dec: torch.Tensor
+    values: Optional[torch.Tensor]
     r_data: Optional[torch.Tensor]
     r_scale: Optional[torch.Tensor]
     r_s_dec: Optional[torch.Tensor]
+    r_values: Optional[torch.Tensor]
 
 
 def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] = None,
                             input_scale=None, groups: Optional[torch.Tensor] = None,
-                            silu_mul: bool = False, block_m: int = 4) -> QuantizedActivation:
+                            silu_mul: bool = False, block_m: int = 4,
+                            with_values: bool = True) -> QuantizedActivation:
     """x [M, K] (or [M, 2K] gate|up with silu_mul) -> QuantizedActivation (no host syncs).
 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
-    static per-tensor activation decode scale (the residual keeps a per-row scale).
+    static per-tensor activation decode scale (the residual keeps a per-row scale);
+    with_values: also write the exact fp16 tiles the Hopper GEMM reads.
     """
     if x.ndim != 2 or x.stride(-1) != 1:
         raise ValueError(f"x: expected a row-major 2-D activation, got shape {tuple(x.shape)}")
@@ -141,18 +162,21 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     data = torch.empty(m_rows, k // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(m_rows, k // 16, dtype=torch.uint8, device=dev)
     s_dec = torch.empty(m_rows, dtype=torch.float32, device=dev)
+    values = torch.empty(m_rows, k, dtype=torch.float16, device=dev) if with_values else None
     kr = 0 if comp_index is None else comp_index.shape[-1]
     if kr:
         r_data = torch.empty(m_rows, kr // 2, dtype=torch.uint8, device=dev)
         r_scale = torch.empty(m_rows, kr // 16, dtype=torch.uint8, device=dev)
         r_s_dec = torch.empty(m_rows, dtype=torch.float32, device=dev)
+        r_values = (torch.empty(m_rows, kr, dtype=torch.float16, device=dev) if with_values
+                    else None)
         comp = comp_index.to(torch.int32).contiguous()
         if comp.ndim == 2 and groups is None:
             raise ValueError("comp_index [G, k] (one set per expert) needs groups [M]")
         grp = groups.to(torch.int32).contiguous() if comp.ndim == 2 else s_dec
         comp_stride = comp.stride(0) if comp.ndim == 2 else 0
     else:
-        r_data = r_scale = r_s_dec = None
+        r_data = r_scale = r_s_dec = r_values = None
         comp, grp, comp_stride = s_dec, s_dec, 0
     if input_scale is not None:
         amax = (torch.as_tensor(input_scale, dtype=torch.float32, device=dev).reshape(1)
@@ -160,14 +184,17 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     else:
         amax = s_dec
     if m_rows == 0:
-        return QuantizedActivation(data, scale, s_dec, r_data, r_scale, r_s_dec)
+        return QuantizedActivation(data, scale, s_dec, values, r_data, r_scale, r_s_dec,
+                                   r_values)
     block_k = min(256, triton.next_power_of_2(k))
     block_kr = max(16, triton.next_power_of_2(max(kr, 1)))
     grid = (triton.cdiv(m_rows, block_m),)
     _act_quant_kernel[grid](
-        x, x.stride(0), m_rows, k, amax, data, scale, s_dec, comp, comp_stride, grp,
-        r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec, kr,
+        x, x.stride(0), m_rows, k, amax, data, scale, s_dec,
+        values if with_values else s_dec, comp, comp_stride, grp,
+        r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec,
+        r_values if kr and with_values else s_dec, kr, WRITE_F16=with_values,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False)
-    return QuantizedActivation(data, scale, s_dec, r_data, r_scale, r_s_dec)
+    return QuantizedActivation(data, scale, s_dec, values, r_data, r_scale, r_s_dec, r_values)

@@ -11,14 +11,17 @@ to the accumulator once at the end, as a native FP4 GEMM does.
 Decode cost is what bounds a weight-streaming GEMM on Hopper (one SM gets ~16 weight bytes
 per clock at HBM speed, 32 elements, against ~64 integer ops per clock), so the main loop
 decodes 32-bit words: one shift-and-mask pair yields two fp16 bit patterns (E2M1 bits moved
-into the fp16 exponent/mantissa, i.e. the value times 2^-14), and one fp16 multiply by the
-block scale times 2^7 gives value * scale * 2^-7. `decode_words_f16` is tested bit-exact
-against the lead's `e2m1_decode`/`e4m3_decode` on every byte value; the RAC weight gather
-and W4A16 use those helpers directly.
+into the fp16 exponent/mantissa, i.e. the value times 2^-14), the E4M3 scale is moved into
+fp16 the same way, and one fp16 multiply gives value * scale * 2^-7. `decode_words_f16` is
+tested bit-exact against the lead's `e2m1_decode`/`e4m3_decode` on every byte and every
+finite scale. The activation tile is not decoded here: `act_quant` writes it as the same
+exact fp16 (e2m1 * e4m3 * 2^-7) next to the packed codes, so the decode work per program is
+the weight tile only. The RAC weight gather uses the lead's helpers directly.
 
 RAC on Hopper: the residual is a second, short K loop over the k gathered channels (own
-per-row S_dec; the accumulator is rescaled by S_dec(x) / S_dec(r) before it), reading the gathered weight columns straight from the packed weight (the
-rows were just streamed, so the bytes come from L2): y = xq Wq^T + rq Wq[:, S]^T exactly.
+per-row S_dec; the accumulator is rescaled by S_dec(x) / S_dec(r) before it), reading the
+gathered weight columns straight from the packed weight (the rows were just streamed, so the
+bytes come from L2): y = xq Wq^T + rq Wq[:, S]^T exactly.
 """
 
 from __future__ import annotations
@@ -53,9 +56,18 @@ def _e2m1_pair(w, SHL_M: tl.constexpr, SHL_S: tl.constexpr, SHR_M: tl.constexpr)
 
 
 @triton.jit
+def _e4m3_f16_x128(sbits):
+    """e4m3 scale bits (uint8) -> fp16 scale * 2^7: the bits shifted into fp16's fields are the
+    value * 2^-8 (subnormals included), times 2^15. Exact (tested against `e4m3_decode`)."""
+    b = sbits.to(tl.uint16)
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True) * 32768.0
+
+
+@triton.jit
 def decode_words_f16(words, sbits, R: tl.constexpr, C: tl.constexpr):
     """Packed codes as uint32 words [R, C//8] + e4m3 bits [R, C//16] -> fp16 [R, C] = value * scale * 2^-7."""
-    s = (e4m3_decode(sbits) * 128.0).to(tl.float16)
+    s = _e4m3_f16_x128(sbits)
     s = tl.reshape(tl.join(s, s), (R, C // 8))
     x0, x4 = _half_pair(_e2m1_pair(words, 9, 12, False))
     x1, x5 = _half_pair(_e2m1_pair(words, 5, 8, False))
@@ -67,26 +79,21 @@ def decode_words_f16(words, sbits, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _decode_bytes_f32(packed, sbits, R: tl.constexpr, C: tl.constexpr):
-    """Packed bytes [R, C//2] + e4m3 bits [R, C//16] -> fp32 [R, C] = value * scale (helpers only)."""
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, C))
-    vals = tl.reshape(e2m1_decode(codes), (R, C // 16, 16))
-    return tl.reshape(vals * e4m3_decode(sbits)[:, :, None], (R, C))
-
-
-@triton.jit
 def _w4a4_gemm_kernel(
-        a_ptr, a32_ptr, as_ptr, asdec_ptr, stride_am,
-        r32_ptr, rs_ptr, rsdec_ptr, KR, comp_ptr, comp_stride_e,
+        a_ptr, asdec_ptr, stride_am,
+        rv_ptr, rsdec_ptr, KR, comp_ptr, comp_stride_e,
         w_ptr, w32_ptr, ws_ptr, ws2_ptr, stride_we, stride_wn, stride_wse, stride_wsn,
         c_ptr, stride_cm, bias_ptr, topk_w_ptr,
         sorted_ptr, expert_ptr, npost_ptr,
         M, N, K, A_ROW_DIV, NUM_M_BLOCKS,
         ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
-        OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr, GROUP_M: tl.constexpr):
-    # program -> (m block, n tile), GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
+        EVEN_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
+        GROUP_M: tl.constexpr):
+    """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
+    the float activation (W4A16); Wq[e] is decoded from packed words in registers."""
+    # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -112,49 +119,39 @@ def _w4a4_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-    s_rows = ws_ptr + expert * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
     w32_rows = w32_ptr + expert * (stride_we // 4) + offs_n[:, None].to(tl.int64) * (stride_wn // 4)
+    s_rows = ws_ptr + expert * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
+    a_base = a_ptr + a_rows[:, None] * stride_am
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_s = tl.arange(0, BLOCK_K // 16)
+    offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
+        wk = k0 // 8 + offs_w
         sk = k0 // 16 + offs_s
-        s_mask = sk < K // 16
-        wsb = tl.load(s_rows + sk[None, :], mask=n_mask[:, None] & s_mask[None, :], other=0)
-        if W4A16:
-            pb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            wpk = tl.load(w_rows + pb[None, :], mask=n_mask[:, None] & (pb < K // 2)[None, :],
-                          other=0)
-            wt = _decode_bytes_f32(wpk, wsb, BLOCK_N, BLOCK_K)
-            ak = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + ak[None, :],
-                        mask=row_mask[:, None] & (ak < K)[None, :], other=0.0)
-            if DOT_F32:
-                acc = tl.dot(a.to(tl.float32), tl.trans(wt), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
+        ak = k0 + offs_k
+        if EVEN_K:
+            ww = tl.load(w32_rows + wk[None, :], mask=n_mask[:, None], other=0)
+            wsb = tl.load(s_rows + sk[None, :], mask=n_mask[:, None], other=0)
+            a = tl.load(a_base + ak[None, :], mask=row_mask[:, None], other=0.0)
         else:
-            wk = k0 // 8 + offs_w
-            w_mask = wk < K // 8
-            ww = tl.load(w32_rows + wk[None, :], mask=n_mask[:, None] & w_mask[None, :],
-                         other=0).to(tl.uint32, bitcast=True)
-            aw = tl.load(a32_ptr + a_rows[:, None] * (stride_am // 4) + wk[None, :],
-                         mask=row_mask[:, None] & w_mask[None, :], other=0).to(tl.uint32,
-                                                                             bitcast=True)
-            asb = tl.load(as_ptr + a_rows[:, None] * (K // 16) + sk[None, :],
-                          mask=row_mask[:, None] & s_mask[None, :], other=0)
-            wt = decode_words_f16(ww, wsb, BLOCK_N, BLOCK_K)
-            at = decode_words_f16(aw, asb, BLOCK_M, BLOCK_K)
-            if DOT_F32:
-                acc = tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
-                             input_precision="ieee")
-            else:
-                acc = tl.dot(at, tl.trans(wt), acc)
+            ww = tl.load(w32_rows + wk[None, :], mask=n_mask[:, None] & (wk < K // 8)[None, :],
+                         other=0)
+            wsb = tl.load(s_rows + sk[None, :], mask=n_mask[:, None] & (sk < K // 16)[None, :],
+                          other=0)
+            a = tl.load(a_base + ak[None, :], mask=row_mask[:, None] & (ak < K)[None, :],
+                        other=0.0)
+        wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
 
     ws2 = tl.load(ws2_ptr + expert)
     if W4A16:
-        out = acc * ws2
+        out = acc * (ws2 * 128.0)
     else:
         sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
         if HAS_RES:
@@ -162,7 +159,7 @@ def _w4a4_gemm_kernel(
             # S_dec: rescale the accumulator to the residual's scale and keep one accumulator
             rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
             acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
-            for j0 in range(0, KR, BLOCK_KR):
+            for j0 in tl.range(0, KR, BLOCK_KR, num_stages=1):
                 j = j0 + tl.arange(0, BLOCK_KR)
                 jmask = j < KR
                 idx = tl.load(comp_ptr + expert * comp_stride_e + j, mask=jmask, other=0)
@@ -171,14 +168,8 @@ def _w4a4_gemm_kernel(
                 wcode = (wb >> ((idx & 1) * 4).to(tl.uint8)[None, :]) & 0xF
                 wsf = e4m3_decode(tl.load(s_rows + (idx // 16)[None, :], mask=wm, other=0))
                 wg = (e2m1_decode(wcode) * (wsf * 0.0078125)).to(tl.float16)
-                rk = j0 // 8 + tl.arange(0, BLOCK_KR // 8)
-                rw = tl.load(r32_ptr + a_rows[:, None] * (KR // 8) + rk[None, :],
-                             mask=row_mask[:, None] & (rk < KR // 8)[None, :],
-                             other=0).to(tl.uint32, bitcast=True)
-                rsk = j0 // 16 + tl.arange(0, BLOCK_KR // 16)
-                rsb = tl.load(rs_ptr + a_rows[:, None] * (KR // 16) + rsk[None, :],
-                              mask=row_mask[:, None] & (rsk < KR // 16)[None, :], other=0)
-                rt = decode_words_f16(rw, rsb, BLOCK_M, BLOCK_KR)
+                rt = tl.load(rv_ptr + a_rows[:, None] * KR + j[None, :],
+                             mask=row_mask[:, None] & jmask[None, :], other=0.0)
                 if DOT_F32:
                     acc = tl.dot(rt.to(tl.float32), tl.trans(wg.to(tl.float32)), acc,
                                  input_precision="ieee")
@@ -215,13 +206,14 @@ def interpreting() -> bool:
 
 
 def default_config(rows_per_expert: float, n: int, k: int) -> GemmConfig:
-    """Tile choice by rows per expert (decode: weight streaming; prefill: tensor-core bound)."""
+    """Tile choice by rows per expert (decode: weight streaming; prefill: tensor-core bound).
+    All are spill-free on sm_90 (ptxas); see docs/benchmarks.md for the measured sweep."""
     bk = 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
     if rows_per_expert <= 16:
         return GemmConfig(16, 64, bk, 4, 4)
     if rows_per_expert <= 64:
-        return GemmConfig(64, 64, bk, 4, 4)
-    return GemmConfig(128, 128, 64 if bk >= 64 else bk, 8, 3)
+        return GemmConfig(64, 128, min(bk, 64), 8, 3)
+    return GemmConfig(128, 128, min(bk, 64), 8, 3)
 
 
 def _words(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -233,48 +225,48 @@ def _words(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def launch_gemm(a_data: torch.Tensor, a_scale: Optional[torch.Tensor],
-                a_s_dec: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
-                w_scale_2: torch.Tensor, out: torch.Tensor, *, m: int, w4a16: bool = False,
-                r=None, comp_index: Optional[torch.Tensor] = None, bias=None,
-                routing=None, a_row_div: int = 1, topk_weights=None,
+def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tensor,
+                w_scale: torch.Tensor, w_scale_2: torch.Tensor, out: torch.Tensor, *, m: int,
+                w4a16: bool = False, r=None, comp_index: Optional[torch.Tensor] = None,
+                bias=None, routing=None, a_row_div: int = 1, topk_weights=None,
                 config: Optional[GemmConfig] = None) -> torch.Tensor:
-    """Run the kernel. a_data: packed codes [Ma, K//2] (or the float x [Ma, K] with w4a16);
-    w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids, expert_ids, num_post)
-    for the grouped form; r = (data, scale, s_dec) of the RAC residual."""
+    """Run the kernel. a: the exact fp16 activation values of act_quant [Ma, K] (or the float
+    x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
+    expert_ids, num_post) for the grouped form; r = (values [Ma, k], s_dec [Ma]) of the RAC
+    residual."""
     e, n, k2 = w.shape
     k = k2 * 2
+    if a.stride(-1) != 1:
+        raise ValueError("activation: expected a row-major tensor")
     if config is None:
         rows = m if routing is None else m / max(1, e)
         config = default_config(rows, n, k)
-    bm, bn, bk = config.block_m, config.block_n, min(config.block_k,
-                                                      max(16, triton.next_power_of_2(k)))
-    dot_f32 = interpreting()
+    bm, bn = config.block_m, config.block_n
+    bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
     if routing is None:
         num_m_blocks = triton.cdiv(m, bm)
-        sorted_ids = expert_ids = npost = a_data
+        sorted_ids = expert_ids = npost = w_scale_2
     else:
         sorted_ids, expert_ids, npost = routing
         num_m_blocks = sorted_ids.numel() // bm
     kr = 0 if r is None else comp_index.shape[-1]
-    comp = comp_index if kr else a_data
+    comp = comp_index if kr else w_scale_2
     out_bf16 = out.dtype == torch.bfloat16
     c = out.view(torch.uint16) if out_bf16 else out
     grid = (num_m_blocks * triton.cdiv(n, bn),)
     ws = w_scale.view(torch.uint8)
-    a32 = a_data if w4a16 else _words(a_data, "activation codes")
     _w4a4_gemm_kernel[grid](
-        a_data, a32, a_scale if a_scale is not None else a_data,
-        a_s_dec if a_s_dec is not None else w_scale_2, a_data.stride(0),
-        _words(r[0], "residual codes") if kr else a32, r[1] if kr else a_data,
-        r[2] if kr else w_scale_2, kr, comp, comp.stride(0) if kr and comp.ndim == 2 else 0,
-        w, _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
-        c, c.stride(0), bias if bias is not None else w_scale_2,
+        a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
+        r[0] if kr else a, r[1] if kr else w_scale_2, kr,
+        comp, comp.stride(0) if kr and comp.ndim == 2 else 0,
+        w, _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), ws.stride(0),
+        ws.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
         sorted_ids, expert_ids, npost, m, n, k, a_row_div, num_m_blocks,
         ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
-        HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16, DOT_F32=dot_f32,
-        OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
+        DOT_F32=interpreting() or a.dtype == torch.float32,
+        EVEN_K=k % bk == 0, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_KR=min(RES_BLOCK, max(16, triton.next_power_of_2(max(kr, 1)))),
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

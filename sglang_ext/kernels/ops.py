@@ -67,12 +67,11 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     w, ws, ws2 = weight.unsqueeze(0), weight_scale.unsqueeze(0), weight_scale_2.reshape(1)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     if act_mode == "w4a16":
-        launch_gemm(x2d, None, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
+        launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
     else:
         qa = quantize_activation_rac(x2d, comp, input_scale)
-        r = None if comp is None else (qa.r_data, qa.r_scale, qa.r_s_dec)
-        launch_gemm(qa.data, qa.scale, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp,
-                    bias=b)
+        r = None if comp is None else (qa.r_values, qa.r_s_dec)
+        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp, bias=b)
     return out.view(*x.shape[:-1], n)
 
 
@@ -119,24 +118,24 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(m, two_f, dtype=x.dtype, device=x.device)
     if act_mode == "w4a16":
-        launch_gemm(x, None, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
+        launch_gemm(x, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
                     routing=routing, a_row_div=topk, config=cfg1)
         g, u = inter.to(torch.float32).split(f, dim=-1)
         h = (torch.nn.functional.silu(g) * u).to(x.dtype)
     else:
         qa = quantize_activation_rac(x, c13, w13_input_scale)
-        r = None if c13 is None else (qa.r_data, qa.r_scale, qa.r_s_dec)
-        launch_gemm(qa.data, qa.scale, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
+        r = None if c13 is None else (qa.r_values, qa.r_s_dec)
+        launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_index=c13, routing=routing, a_row_div=topk, config=cfg1)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if act_mode == "w4a16":
-        launch_gemm(h, None, None, w2, w2_scale, ws2_2, rows, m=m, w4a16=True, routing=routing,
+        launch_gemm(h, None, w2, w2_scale, ws2_2, rows, m=m, w4a16=True, routing=routing,
                     topk_weights=tw, config=cfg2)
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
         qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True)
-        r = None if c2 is None else (qh.r_data, qh.r_scale, qh.r_s_dec)
-        launch_gemm(qh.data, qh.scale, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
+        r = None if c2 is None else (qh.r_values, qh.r_s_dec)
+        launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_index=c2, routing=routing, topk_weights=tw, config=cfg2)
     return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)
