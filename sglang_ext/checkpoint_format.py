@@ -20,6 +20,8 @@ MoE experts store the indices per expert under HF names (`...experts.{e}.gate_pr
 `up_proj`, `down_proj`): fc1 reads the same hidden states for every expert, so gate and up of
 all experts of a layer carry one shared set; fc2 (`down_proj`) carries one set per expert.
 
+The exporter also writes `hf_quant_config.json`: ModelOpt's summary under "quantization" plus
+this block under "quads" (read when config.json carries no `quantization_config`).
 A plain ModelOpt NVFP4 checkpoint (config.json `quant_method: "modelopt"` or an
 `hf_quant_config.json`) is read too: W4A4 with its static `input_scale` (ModelOpt's own
 semantics), W4A16 for `W4A16_NVFP4`, RAC off. The environment variables
@@ -157,6 +159,9 @@ def parse_quantization_config(config: Mapping[str, Any], env: Optional[Mapping[s
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"quantization_config: expected a JSON object, got {type(config).__name__}")
+    if isinstance(config.get(QUANT_METHOD), Mapping):
+        # hf_quant_config.json of a QUADS export: the ModelOpt summary plus the full quads block
+        config = config[QUANT_METHOD]
     method = str(config.get("quant_method", "")).lower()
     if method == QUANT_METHOD:
         try:

@@ -31,6 +31,12 @@ def test_modelopt_forms(cfg, mode):
         ("modelopt", mode, "static", False)
 
 
+def test_quads_block_of_hf_quant_config_wins_over_the_modelopt_summary():
+    qc = QuadsSettings(rac_num_channels=16, exclude_modules=["lm_head"]).to_quantization_config()
+    s = parse_quantization_config({**MODELOPT_NESTED, "quads": qc}, env={})
+    assert (s.source, s.activation_mode, s.rac_num_channels) == ("quads", "w4a4_rac", 16)
+
+
 def test_env_overrides_turn_rac_on_for_modelopt():
     s = parse_quantization_config(MODELOPT_NESTED, env={
         "QUADS_ACTIVATION_MODE": "w4a4_rac", "QUADS_RAC_NUM_CHANNELS": "32",
