@@ -32,8 +32,7 @@ def save_checkpoint(model, ckpt_dir, optimizer=None, metadata=None):
 
     gpt = unwrap_model(model)
     recipe = quads_recipe(gpt)
-    if (not dist.is_initialized() or dist.get_rank() == 0) and os.path.isdir(ckpt_dir) \
-            and os.listdir(ckpt_dir):
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):  # every rank: no rank left in a barrier
         raise FileExistsError(f"save_checkpoint: {ckpt_dir} exists and is not empty")
     _barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
