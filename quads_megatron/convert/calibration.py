@@ -4,7 +4,8 @@ The BF16 HF model runs the calibration prompts; a pre-hook on every layer's ``ml
 captures its input hidden states and routing.  As ModelOpt does for MoE calibration, every
 token counts for every expert's amax (so no expert is left uncalibrated); the RAC error
 statistics of fc2 use the tokens actually routed to each expert (all tokens for an expert that
-received none).  fc1 gets one channel set per layer, fc2 one per expert (``quads_megatron.rac``).
+received none).  fc1 gets one channel set per layer, fc2 one per expert (``quads_megatron.rac``),
+chosen once the layer's NVFP4 weights exist (``LayerCalibration.comp_indices``).
 """
 
 import dataclasses
@@ -20,12 +21,30 @@ from quads_megatron.convert.errors import CheckpointError
 
 @dataclasses.dataclass
 class LayerCalibration:
-    """One MoE layer: fc1/fc2 input amax ([] and [E]) and, with RAC, the channel sets ([k] and [E, k])."""
+    """One MoE layer: fc1/fc2 input amax ([] and [E]) and, with RAC, the activation error statistics."""
 
     fc1_amax: torch.Tensor
     fc2_amax: torch.Tensor
-    fc1_comp_index: torch.Tensor | None = None
-    fc2_comp_index: torch.Tensor | None = None
+    fc1_stats: "rac.ActivationStats | None" = None
+    fc2_routed: list | None = None      # ActivationStats per expert, tokens routed to it
+    fc2_all: list | None = None         # ActivationStats per expert, every token
+
+    def comp_indices(self, w13: torch.Tensor, w2: torch.Tensor, k: int) -> tuple:
+        """RAC channel sets ``(fc1 [k], fc2 [E, k])`` ranked with the quantized weights' column norms.
+
+        w13 [E, 2F, H] / w2 [E, H, F]: dequantized NVFP4 weights (what the rollout GEMM multiplies).
+        """
+        if self.fc1_stats is None:
+            raise ValueError("comp_indices: calibrate(..., rac=True) was not run")
+        for name, stats in (("hidden_size", self.fc1_stats), ("moe_intermediate_size", self.fc2_all[0])):
+            if k > stats.num_channels or k % nvfp4.BLOCK_SIZE:
+                raise CheckpointError(f"--rac-channels {k}: must be a multiple of {nvfp4.BLOCK_SIZE} "
+                                      f"and <= {name}={stats.num_channels}")
+        fc1 = rac.calibrate_comp_channels(self.fc1_stats, rac.weight_column_norm_sq(w13, per_expert=False), k)
+        sq2 = torch.stack([(r if r.count.item() > 0 else a).mean_sq_err()
+                           for r, a in zip(self.fc2_routed, self.fc2_all)])
+        fc2 = rac.calibrate_comp_channels(sq2, rac.weight_column_norm_sq(w2, per_expert=True), k)
+        return fc1, fc2
 
 
 def load_prompts(path, tokenizer_dir, *, num_samples: int, seq_len: int) -> list:
@@ -102,13 +121,13 @@ def _for_each_batch(model, prompts, desc, progress, fn):
 
 
 @torch.no_grad()
-def calibrate(model, prompts, *, rac_channels: int = 0, static_scaling: bool = False,
-              quantized_weights=None, progress: bool = True) -> dict:
+def calibrate(model, prompts, *, rac_stats: bool = False, static_scaling: bool = False,
+              progress: bool = True) -> dict:
     """``{layer: LayerCalibration}`` for a transformers Qwen3MoeForCausalLM on ``prompts``.
 
-    quantized_weights(layer) -> (w13 [E, 2F, H], w2 [E, H, F]) dequantized NVFP4 weights, whose
-    column norms rank the RAC channels (``rac.calibrate_comp_channels``); needed if rac_channels.
-    static_scaling: RAC statistics use the static ``input_scale`` (else per-token scaling).
+    rac_stats: also accumulate the RAC error statistics (a second pass, since with
+    ``static_scaling`` they are measured under the static ``input_scale`` the first pass finds;
+    otherwise under per-token scaling).
     """
     model.eval()
     num_layers = len(model.model.layers)
@@ -123,37 +142,22 @@ def calibrate(model, prompts, *, rac_channels: int = 0, static_scaling: bool = F
 
     _for_each_batch(model, prompts, "calibrate amax", progress, amax_pass)
     result = {layer: LayerCalibration(fc1_amax[layer].clone(), fc2_amax[layer].clone()) for layer in range(num_layers)}
-    if not rac_channels:
+    if not rac_stats:
         return result
-    if quantized_weights is None:
-        raise ValueError("calibrate(rac_channels=...) needs quantized_weights")
     H, F = model.config.hidden_size, model.config.moe_intermediate_size
-    for name, K in (("hidden_size", H), ("moe_intermediate_size", F)):
-        if rac_channels > K or rac_channels % nvfp4.BLOCK_SIZE:
-            raise CheckpointError(f"--rac-channels {rac_channels}: must be a multiple of {nvfp4.BLOCK_SIZE} "
-                                  f"and <= {name}={K}")
     scale = (lambda a: nvfp4.global_decode_scale(a)) if static_scaling else (lambda a: None)
-    stats = {layer: (rac.ActivationStats(H, input_scale=scale(fc1_amax[layer])),
-                     [rac.ActivationStats(F, input_scale=scale(fc2_amax[layer, e])) for e in range(E)],
-                     [rac.ActivationStats(F, input_scale=scale(fc2_amax[layer, e])) for e in range(E)])
-             for layer in range(num_layers)}
+    for layer, c in result.items():
+        c.fc1_stats = rac.ActivationStats(H, input_scale=scale(c.fc1_amax))
+        c.fc2_routed = [rac.ActivationStats(F, input_scale=scale(c.fc2_amax[e])) for e in range(E)]
+        c.fc2_all = [rac.ActivationStats(F, input_scale=scale(c.fc2_amax[e])) for e in range(E)]
 
     def stats_pass(layer, experts, x, topk):
-        fc1, routed, everything = stats[layer]
-        fc1.update(x)
+        c = result[layer]
+        c.fc1_stats.update(x)
         for e in range(E):
             act = _fc2_inputs(experts, x, e)
-            everything[e].update(act)
-            rows = (topk == e).any(dim=-1)
-            routed[e].update(act[rows])
+            c.fc2_all[e].update(act)
+            c.fc2_routed[e].update(act[(topk == e).any(dim=-1)])
 
     _for_each_batch(model, prompts, "calibrate RAC", progress, stats_pass)
-    for layer in range(num_layers):
-        fc1, routed, everything = stats[layer]
-        w13, w2 = quantized_weights(layer)
-        fc1_norm = rac.weight_column_norm_sq(w13, per_expert=False)          # [H], summed over experts
-        fc2_norm = rac.weight_column_norm_sq(w2, per_expert=True)            # [E, F]
-        sq2 = torch.stack([(r if r.count.item() > 0 else a).mean_sq_err() for r, a in zip(routed, everything)])
-        result[layer].fc1_comp_index = rac.calibrate_comp_channels(fc1, fc1_norm, rac_channels)
-        result[layer].fc2_comp_index = rac.calibrate_comp_channels(sq2, fc2_norm, rac_channels)
     return result

@@ -69,19 +69,27 @@ def _base(name: str) -> str:
     return name[: -len(".weight")]
 
 
+def quantize_linears(tensors, block_shape=(1, nvfp4.BLOCK_SIZE)) -> list:
+    """NVFP4Tensors of one expert's gate+up (two tensors, one shared global scale) or down (one)."""
+    if len(tensors) == 2:
+        return nvfp4.quantize_with_shared_scale(list(tensors), block_shape=tuple(block_shape))
+    if len(tensors) == 1:
+        return [nvfp4.quantize(tensors[0], block_shape=tuple(block_shape))]
+    raise ValueError(f"quantize_linears: expected 1 or 2 tensors, got {len(tensors)}")
+
+
+def modelopt_tensors(name: str, q: nvfp4.NVFP4Tensor):
+    """Yield ``(name, tensor)`` of ModelOpt's NVFP4 triple for the HF ``*.weight`` tensor ``name``."""
+    base = _base(name)
+    for suffix, t in q.to_modelopt().items():
+        yield f"{base}.{suffix}", t
+
+
 def quantize_expert_linear(names, tensors, block_shape=(1, nvfp4.BLOCK_SIZE)):
     """Yield ModelOpt NVFP4 ``(name, tensor)`` triples for one expert's gate+up (shared global scale)
     or down projection; ``names`` are the HF ``*.weight`` names of ``tensors``."""
-    if len(tensors) == 2:
-        quantized = nvfp4.quantize_with_shared_scale(list(tensors), block_shape=tuple(block_shape))
-    elif len(tensors) == 1:
-        quantized = [nvfp4.quantize(tensors[0], block_shape=tuple(block_shape))]
-    else:
-        raise ValueError(f"quantize_expert_linear: expected 1 or 2 tensors, got {len(tensors)}")
-    for name, q in zip(names, quantized):
-        base = _base(name)
-        for suffix, t in q.to_modelopt().items():
-            yield f"{base}.{suffix}", t
+    for name, q in zip(names, quantize_linears(tensors, block_shape)):
+        yield from modelopt_tensors(name, q)
 
 
 def expert_input_scale(amax: torch.Tensor) -> torch.Tensor:

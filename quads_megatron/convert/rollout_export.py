@@ -24,7 +24,8 @@ from quads_megatron.convert.errors import CheckpointError
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
                                                   read_json, write_json)
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
-from quads_megatron.convert.nvfp4_export import expert_input_scale, quantize_expert_linear, scope_from_recipe
+from quads_megatron.convert.nvfp4_export import (expert_input_scale, modelopt_tensors, quantize_linears,
+                                                 scope_from_recipe)
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
 
 FORMATS = ("quads", "modelopt")
@@ -49,7 +50,8 @@ def parse_args(argv=None):
                    help=".txt (a prompt per line) or .jsonl ('text'/'prompt'); default: random tokens (tiny models)")
     p.add_argument("--calib-size", type=int, default=64, help="number of calibration prompts")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration prompt (truncated)")
-    p.add_argument("--calib-device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="where calibration and quantization run (cuda: Triton NVFP4 kernels, bit-identical)")
     p.add_argument("--tokenizer-dir", default=None, help="tokenizer for --calib-data (default: --load-dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="5GB")
@@ -92,43 +94,48 @@ def rollout_specs(dims, scope, settings) -> tuple:
     return shapes, dtypes
 
 
-def _quantized_layer_weights(ckpt, dims, scope):
-    """layer -> dequantized NVFP4 (w13 [E, 2F, H], w2 [E, H, F]) as the rollout kernels see them."""
-    def weights(layer):
-        w13, w2 = [], []
-        for e in range(dims.num_experts):
-            p = f"model.layers.{layer}.mlp.experts.{e}."
-            g, u = nvfp4.quantize_with_shared_scale([ckpt.get(p + "gate_proj.weight"), ckpt.get(p + "up_proj.weight")],
-                                                    block_shape=scope.block_shape)
-            w13.append(torch.cat([g.dequantize(torch.float32), u.dequantize(torch.float32)]))
-            w2.append(nvfp4.quantize(ckpt.get(p + "down_proj.weight"), block_shape=scope.block_shape)
-                      .dequantize(torch.float32))
-        return torch.stack(w13), torch.stack(w2)
-    return weights
+def _expert_layer(ckpt, dims, scope, layer, settings, calib, device):
+    """Yield the NVFP4 tensors of every expert of one layer (+ input_scale / input_comp_index).
 
-
-def rollout_tensors(ckpt, dims, scope, settings, calib):
-    """Yield every ``(name, tensor)`` of the rollout checkpoint, one HF tensor group at a time."""
+    The whole layer is quantized first because the RAC channel ranking needs all its experts'
+    quantized weights (fc1 shares one set across experts).
+    """
+    prefix = f"model.layers.{layer}.mlp.experts"
+    projs = ("gate_proj", "up_proj", "down_proj")
+    quantized = []
+    for e in range(dims.num_experts):
+        gate, up, down = (ckpt.get(f"{prefix}.{e}.{p}.weight").to(device) for p in projs)
+        quantized.append(quantize_linears([gate, up], scope.block_shape) + quantize_linears([down], scope.block_shape))
     a4 = settings["activation_mode"] != "w4a16"
-    rac_on = settings["rac_num_channels"] > 0
+    k = settings["rac_num_channels"]
+    if k:
+        w13 = torch.stack([torch.cat([g.dequantize(torch.float32), u.dequantize(torch.float32)])
+                           for g, u, _ in quantized])
+        w2 = torch.stack([d.dequantize(torch.float32) for _, _, d in quantized])
+        fc1_idx, fc2_idx = calib[layer].comp_indices(w13.cpu(), w2.cpu(), k)
+    for e, qs in enumerate(quantized):
+        for proj, q in zip(projs, qs):
+            name = f"{prefix}.{e}.{proj}"
+            yield from modelopt_tensors(f"{name}.weight", q)
+            if not a4:
+                continue
+            fc1 = proj != "down_proj"
+            c = calib[layer]
+            yield f"{name}.input_scale", expert_input_scale(c.fc1_amax if fc1 else c.fc2_amax[e])
+            if k:
+                yield f"{name}.input_comp_index", (fc1_idx if fc1 else fc2_idx[e]).to(torch.int32).contiguous().clone()
+
+
+def rollout_tensors(ckpt, dims, scope, settings, calib, device="cpu"):
+    """Yield every ``(name, tensor)`` of the rollout checkpoint, one layer's experts at a time."""
+    done_layers = set()
     for rule, layer, expert in qwen3_moe.iter_rule_instances(dims):
-        names = qwen3_moe.hf_names(rule, layer, expert)
         if not scope.quantizes(rule, layer):
-            for name in names:
+            for name in qwen3_moe.hf_names(rule, layer, expert):
                 yield name, ckpt.get(name)
-            continue
-        yield from quantize_expert_linear(names, [ckpt.get(n) for n in names], scope.block_shape)
-        if not a4:
-            continue
-        c = calib[layer]
-        fc1 = rule.layout == "gate_up"
-        scale = expert_input_scale(c.fc1_amax if fc1 else c.fc2_amax[expert])
-        for name in names:
-            base = name[: -len(".weight")]
-            yield f"{base}.input_scale", scale.clone()
-            if rac_on:
-                idx = c.fc1_comp_index if fc1 else c.fc2_comp_index[expert]
-                yield f"{base}.input_comp_index", idx.to(torch.int32).contiguous().clone()
+        elif layer not in done_layers:
+            done_layers.add(layer)
+            yield from _expert_layer(ckpt, dims, scope, layer, settings, calib, device)
 
 
 def quant_configs(fmt: str, settings: dict, exclude: list, recipe, calib_info: dict) -> tuple:
@@ -167,6 +174,10 @@ def export_rollout(args) -> Path | None:
     ckpt.validate(qwen3_moe.hf_shapes(dims))
     scope = scope_from_recipe(recipe, dims)
     settings = resolve_settings(args, recipe)
+    k = settings["rac_num_channels"]
+    if k > min(dims.hidden_size, dims.moe_ffn):
+        raise CheckpointError(f"--rac-channels {k}: more than the expert inputs have (hidden_size="
+                              f"{dims.hidden_size}, moe_intermediate_size={dims.moe_ffn})")
     shapes, dtypes = rollout_specs(dims, scope, settings)
     max_bytes = cli.parse_size(args.max_shard_size)
     if args.dry_run:
@@ -179,13 +190,13 @@ def export_rollout(args) -> Path | None:
 
     calib, calib_info = {}, {}
     if settings["activation_mode"] != "w4a16":
-        calib, calib_info = run_calibration(args, ckpt, dims, scope, settings)
+        calib, calib_info = run_calibration(args, dims, settings)
     qc, summary = quant_configs(args.format, settings, scope.exclude_modules(dims), recipe, calib_info)
     with atomic_output_dir(args.save_dir, force=args.force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_bytes)
         from tqdm import tqdm
 
-        for name, t in tqdm(rollout_tensors(ckpt, dims, scope, settings, calib), total=len(shapes),
+        for name, t in tqdm(rollout_tensors(ckpt, dims, scope, settings, calib, args.device), total=len(shapes),
                             desc=f"export {args.format}", disable=args.no_progress, unit="tensor"):
             writer.add(name, t)
         writer.close()
@@ -199,7 +210,7 @@ def export_rollout(args) -> Path | None:
     return Path(args.save_dir)
 
 
-def run_calibration(args, ckpt, dims, scope, settings):
+def run_calibration(args, dims, settings):
     """Calibrate input amax (and RAC channels) with the BF16 HF model on the calibration prompts."""
     from transformers import Qwen3MoeForCausalLM
 
@@ -213,10 +224,10 @@ def run_calibration(args, ckpt, dims, scope, settings):
         prompts = random_prompts(dims.vocab_size, num_samples=args.calib_size, seq_len=args.calib_seq_len,
                                  seed=args.seed)
         source = f"random(seed={args.seed})"
-    model = Qwen3MoeForCausalLM.from_pretrained(args.load_dir, dtype=torch.bfloat16).to(args.calib_device)
-    calib = calibrate(model, prompts, rac_channels=settings["rac_num_channels"],
-                      static_scaling=settings["activation_scaling"] == "static",
-                      quantized_weights=_quantized_layer_weights(ckpt, dims, scope), progress=not args.no_progress)
+    model = Qwen3MoeForCausalLM.from_pretrained(args.load_dir, dtype=torch.bfloat16).to(args.device)
+    calib = calibrate(model, prompts, rac_stats=settings["rac_num_channels"] > 0,
+                      static_scaling=settings["activation_scaling"] == "static", progress=not args.no_progress)
+    del model
     info = {"source": source, "num_samples": len(prompts), "num_tokens": int(sum(p.numel() for p in prompts))}
     return calib, info
 
