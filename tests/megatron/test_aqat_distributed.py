@@ -22,7 +22,9 @@ def results(tmp_path_factory):
     if proc.returncode != 0:
         pytest.fail(f"torchrun worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-8000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks[0]["ckpt_dir"] = str(out / "ckpt")
+    return ranks
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -73,3 +75,24 @@ def test_dist_checkpoint_resume_is_identical(results):
         assert r["masters_equal"] and r["fp32_masters"], "master weights not restored unquantized"
         assert r["recipe_equal"], "the recipe did not round-trip through the checkpoint"
         assert r["resumed"] == r["after"], f"resumed losses {r['resumed']} != {r['after']}"
+
+
+def test_checkpoint_recipe_is_readable_and_checked(results):
+    """The stored recipe reads back in a plain process; a model converted otherwise refuses to load."""
+    from quads_megatron.megatron.aqat import apply_quads
+    from quads_megatron.megatron.checkpoint import load_checkpoint, load_recipe, save_checkpoint
+    from quads_megatron.megatron.model import build_gpt_model
+    from quads_megatron.megatron.parallel import initialize_distributed
+    from quads_megatron.megatron.presets import qwen3_moe_config
+    from quads_megatron.recipe import QuadsRecipe
+
+    ckpt = results[0]["ckpt_dir"]
+    assert load_recipe(ckpt) == QuadsRecipe(bf16_last_layers=1, activation_scaling="per_tensor")
+    initialize_distributed()
+    model = apply_quads(build_gpt_model(qwen3_moe_config("tiny"), 256, 16), QuadsRecipe())
+    with pytest.raises(ValueError, match="was saved with recipe"):
+        load_checkpoint(model, ckpt)
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_checkpoint(model, ckpt)
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        load_recipe(ckpt + "_missing")
