@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from quads_megatron import nvfp4
 from quads_megatron.convert import cli, qwen3_moe
@@ -194,8 +195,6 @@ def export_rollout(args) -> Path | None:
     qc, summary = quant_configs(args.format, settings, scope.exclude_modules(dims), recipe, calib_info)
     with atomic_output_dir(args.save_dir, force=args.force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_bytes)
-        from tqdm import tqdm
-
         for name, t in tqdm(rollout_tensors(ckpt, dims, scope, settings, calib, args.device), total=len(shapes),
                             desc=f"export {args.format}", disable=args.no_progress, unit="tensor"):
             writer.add(name, t)

@@ -158,3 +158,35 @@ def test_static_activation_scaling_calibrates_with_the_static_scale(tiny_hf, qua
         assert torch.equal(st.get(name + "input_scale"), pt.get(name + "input_scale"))   # same calibration amax
         idx = st.get(name + "input_comp_index")
         assert idx.shape == (K,) and idx.dtype == torch.int32
+
+
+def _char_tokenizer(path):
+    """A character-level fast tokenizer (ids < 96 fit the tiny vocabulary), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i - 32 for i in range(32, 127)} | {"[UNK]": 95}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def test_calibration_prompts_from_jsonl(tiny_hf, tmp_path):
+    from quads_megatron.convert.calibration import load_prompts
+    from quads_megatron.convert.errors import CheckpointError
+
+    tok = _char_tokenizer(tmp_path / "tok")
+    data = tmp_path / "calib.jsonl"
+    data.write_text('{"text": "What is 12 + 30?"}\n\n{"prompt": "Sort the list 3 1 2."}\n')
+    prompts = load_prompts(data, tok, num_samples=8, seq_len=10)
+    assert [p.tolist() for p in prompts] == [[ord(c) - 32 for c in "What is 12"], [ord(c) - 32 for c in "Sort the l"]]
+    out = tmp_path / "out"
+    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--rac-channels", str(K),
+                         "--calib-data", str(data), "--tokenizer-dir", str(tok), "--calib-seq-len", "10",
+                         "--no-progress"])
+    calib = json.loads((out / "config.json").read_text())["quantization_config"]["calibration"]
+    assert calib == {"source": str(data), "num_samples": 2, "num_tokens": 20}
+    data.write_text('{"text": "ok"}\n{"content": 3}\n')
+    with pytest.raises(CheckpointError, match=r"calib.jsonl:2: expected a 'text' or 'prompt' string field"):
+        load_prompts(data, tok, num_samples=8, seq_len=10)
