@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-engine", choices=["local", "sglang"], default="local")
     g.add_argument("--sglang-url", action="append", default=None,
                    help="SGLang server URL(s) (repeat or comma-separate); prompts are spread over them")
+    g.add_argument("--sglang-launch", action="store_true",
+                   help="export the initial weights to a QUADS rollout checkpoint and start an SGLang server on it")
+    g.add_argument("--sglang-port", type=int, default=30000, help="port of the --sglang-launch server")
+    g.add_argument("--sglang-server-args", default="", help="extra flags for the launched server (one string)")
     g.add_argument("--sglang-router-url", default=None,
                    help="generate through this SGLang router; weights still go to every --sglang-url worker")
     g.add_argument("--sglang-weight-sync", choices=["tensor", "disk"], default="tensor")
@@ -111,8 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--save-interval needs --save")
     if args.rac_channels % 16 or args.rac_channels < 0:
         p.error(f"--rac-channels {args.rac_channels}: must be a non-negative multiple of 16")
-    if args.rollout_engine == "sglang" and not args.sglang_url:
-        p.error("--rollout-engine sglang needs --sglang-url http://HOST:PORT")
+    if args.sglang_launch:
+        args.rollout_engine = "sglang"
+    if args.rollout_engine == "sglang" and not args.sglang_url and not args.sglang_launch:
+        p.error("--rollout-engine sglang needs --sglang-url http://HOST:PORT (or --sglang-launch)")
     for flag in ("rollout_batch_size", "n_samples_per_prompt", "micro_batch_size", "seq_length", "max_new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")

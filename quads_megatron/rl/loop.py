@@ -99,6 +99,7 @@ class GRPOTrainer:
         fixed = self.eval_samples + list(getattr(self.task, "samples", []))  # a JSONL task's training rows too
         check_prompt_lengths([encode_prompt(self.tokenizer, s.prompt) for s in fixed], args.max_new_tokens,
                              args.seq_length)
+        self._server = None  # the SGLang server process started by --sglang-launch
         self.engine = self._build_engine()
         self.logger = StepLogger(args.tensorboard_dir, enabled=_rank0())
         self.history: list[dict] = []
@@ -107,9 +108,25 @@ class GRPOTrainer:
     def _build_engine(self):
         a = self.args
         if a.rollout_engine == "sglang":
+            import shlex
+
             from .engines.sglang_http import SGLangEngine, parse_urls
 
-            return SGLangEngine(parse_urls(a.sglang_url), a.seq_length, weight_sync=a.sglang_weight_sync,
+            urls = parse_urls(a.sglang_url)
+            if a.sglang_launch:
+                from .engines.sglang_launch import export_rollout_checkpoint, launch_server
+
+                run_dir = Path(a.tensorboard_dir) / "sglang"
+                calib = [s.prompt for s in self.task.train_batch(64, seed=-1)]
+                ckpt_dir = export_rollout_checkpoint(self.policy, self.tokenizer, run_dir, a.rac_channels, calib)
+                url = f"http://127.0.0.1:{a.sglang_port}"
+                if _rank0():
+                    url, self._server = launch_server(ckpt_dir, a.sglang_port, shlex.split(a.sglang_server_args),
+                                                      run_dir / "server.log")
+                if dist.is_initialized():
+                    dist.barrier()
+                urls = [url] + urls
+            return SGLangEngine(urls, a.seq_length, weight_sync=a.sglang_weight_sync,
                                 sync_dir=a.sglang_sync_dir, hf_config=self.policy.hf_config(), tokenizer=self.tokenizer,
                                 router_url=a.sglang_router_url)
         from .engines.local import LocalEngine
@@ -122,8 +139,19 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ pieces of a step
     def sync_weights(self):
-        """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch."""
-        self.engine.update_weights(self.policy.hf_weights(self.args.rollout_engine == "sglang"))
+        """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch.
+
+        SGLang servers are shared by all ranks: every rank joins the gather, rank 0 pushes.
+        """
+        sglang = self.args.rollout_engine == "sglang"
+        weights = self.policy.hf_weights(quantized=sglang)
+        if sglang and not _rank0():
+            for _ in weights:
+                pass
+        else:
+            self.engine.update_weights(weights)
+        if sglang and dist.is_initialized():
+            dist.barrier()
         if hasattr(self.engine, "calibrate") and self.args.rollout_precision != "bf16":
             calib = self.task.train_batch(16, seed=-1)
             self.engine.calibrate([encode_prompt(self.tokenizer, s.prompt) for s in calib])
@@ -331,6 +359,9 @@ class GRPOTrainer:
     def close(self):
         self.logger.close()
         self.engine.close()
+        if self._server is not None:
+            self._server.terminate()
+            self._server.wait(timeout=60)
 
 
 def main(argv=None) -> dict:

@@ -1,0 +1,81 @@
+"""Start an SGLang `--quantization quads` server for the run: export the trainer's weights, launch, wait for health."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .sglang_http import SGLangError
+
+
+def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike, rac_channels: int,
+                              calib_prompts: list[str] | None = None) -> Path:
+    """Write the live model as an HF checkpoint, then the QUADS NVFP4 rollout checkpoint of it (collective).
+
+    Every rank runs the weight gather; rank 0 writes `out_dir/hf` and `out_dir/rollout`. RAC channels
+    and activation scales are calibrated on calib_prompts (the task's prompts), else random tokens.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = {}
+    for name, t in policy.hf_weights():
+        if rank0:
+            tensors[name] = t.detach().to(torch.bfloat16).cpu().contiguous()
+    if rank0:
+        hf = out / "hf"
+        hf.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(hf / "model.safetensors"))
+        cfg = policy.hf_config()
+        cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = (tokenizer.eos_token_id, tokenizer.bos_token_id,
+                                                                tokenizer.pad_token_id)
+        cfg.save_pretrained(hf)
+        tokenizer.save_pretrained(hf)
+        if policy.recipe is not None:
+            (hf / "quads_recipe.json").write_text(policy.recipe.to_json())
+        from quads_megatron.convert import rollout_export
+
+        argv = ["--load-dir", str(hf), "--save-dir", str(out / "rollout"), "--format", "quads",
+                "--rac-channels", str(rac_channels), "--force", "--no-progress"]
+        if calib_prompts:
+            (out / "calib.txt").write_text("\n".join(p.replace("\n", " ") for p in calib_prompts) + "\n")
+            argv += ["--calib-data", str(out / "calib.txt"), "--calib-size", str(len(calib_prompts)),
+                     "--calib-seq-len", str(policy.max_seq_len)]
+        rollout_export.main(argv)
+    if dist.is_initialized():
+        dist.barrier()
+    return out / "rollout"
+
+
+def launch_server(model_path: str | os.PathLike, port: int, extra_args: list[str], log_path: str | os.PathLike,
+                  timeout_s: float = 900.0) -> tuple[str, subprocess.Popen]:
+    """Run `python -m sglang.launch_server --quantization quads`; return (url, process) once /health answers."""
+    import requests
+
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--quantization", "quads",
+           "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.close()
+            tail = Path(log_path).read_text()[-3000:]
+            raise SGLangError(f"SGLang server exited with code {proc.returncode} before becoming healthy "
+                              f"(command: {' '.join(cmd)}); last log lines from {log_path}:\n{tail}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return url, proc
+        except requests.exceptions.RequestException:
+            pass
+        time.sleep(2.0)
+    proc.terminate()
+    raise SGLangError(f"SGLang server at {url} not healthy after {timeout_s:.0f} s; see {log_path}")

@@ -1,0 +1,26 @@
+"""--sglang-launch's first half: the live trainer exported as a QUADS NVFP4 rollout checkpoint SGLang can load."""
+
+import json
+
+from quads_megatron.rl.arguments import parse_args
+from quads_megatron.rl.engines.sglang_launch import export_rollout_checkpoint
+from quads_megatron.rl.policy import MegatronPolicy
+from quads_megatron.rl.tokenizer import build_char_tokenizer
+
+
+def test_export_rollout_checkpoint(tiny_args, tmp_path):
+    args = parse_args(tiny_args())
+    policy = MegatronPolicy(args, 128)
+    prompts = [f"sort:{i:03d}=" for i in range(8)]
+    out = export_rollout_checkpoint(policy, build_char_tokenizer(), tmp_path / "sg", rac_channels=16,
+                                    calib_prompts=prompts)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "quads"
+    assert cfg.get("num_experts", cfg.get("num_local_experts")) == policy.config.num_moe_experts and cfg["vocab_size"] == 128
+    assert (out / "tokenizer.json").is_file() and cfg["eos_token_id"] == 1
+    from safetensors import safe_open
+
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_2" in keys
+    assert "model.embed_tokens.weight" in keys
