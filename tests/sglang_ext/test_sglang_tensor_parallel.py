@@ -1,8 +1,9 @@
 """TP = 2 on CPU: two gloo ranks load full checkpoint tensors through SGLang's sharding loaders.
 
 Each rank (tests/sglang_ext/sglang_tp2_worker.py) checks its QKV (column-parallel, RAC),
-row-parallel (all-reduced; RAC there is refused) and expert-TP FusedMoE outputs against the
-kernel reference on its slice of the checkpoint.
+row-parallel (all-reduced; RAC there is refused), expert-TP FusedMoE and, re-published as
+EP = 2, expert-parallel FusedMoE with RAC (other ranks' experts as SGLang's -1 ids) against
+the kernel reference on its share of the checkpoint.
 """
 
 from __future__ import annotations
