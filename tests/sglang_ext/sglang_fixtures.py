@@ -60,19 +60,21 @@ def save_tiny_hf(path: Path, seed: int = 0) -> Path:
 
 def export_rollout_checkpoints(root: Path) -> Dict[str, Path]:
     """The project's exporter (`quads-export-rollout`) on a tiny HF model: quads (RAC) and ModelOpt
-    checkpoints, plus the ModelOpt one with its metadata only in hf_quant_config.json."""
+    checkpoints, plus copies of both with their metadata only in hf_quant_config.json."""
     from quads_megatron.convert import rollout_export
 
     hf = save_tiny_hf(root / "hf")
     calib = ["--calib-size", "2", "--calib-seq-len", "16", "--no-progress"]
-    out = {"quads": root / "quads", "modelopt": root / "modelopt", "modelopt_file": root / "modelopt_file"}
+    out = {"quads": root / "quads", "modelopt": root / "modelopt"}
     rollout_export.main(["--load-dir", str(hf), "--save-dir", str(out["quads"]),
                          "--rac-channels", str(RAC_K), *calib])
     rollout_export.main(["--load-dir", str(hf), "--save-dir", str(out["modelopt"]),
                          "--format", "modelopt", *calib])
-    shutil.copytree(out["modelopt"], out["modelopt_file"])
-    cfg_path = out["modelopt_file"] / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    del cfg["quantization_config"]
-    cfg_path.write_text(json.dumps(cfg))
+    for src in ("modelopt", "quads"):  # the same with metadata only in hf_quant_config.json
+        out[f"{src}_file"] = root / f"{src}_file"
+        shutil.copytree(out[src], out[f"{src}_file"])
+        cfg_path = out[f"{src}_file"] / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        del cfg["quantization_config"]
+        cfg_path.write_text(json.dumps(cfg))
     return out

@@ -92,6 +92,7 @@ def _model_config(path, quantization):
     ("quads", "quads", "quads", "quads"),
     ("modelopt", "quads", "quads", "modelopt"),       # the override trap: quads must win
     ("modelopt_file", "quads", "quads", "modelopt"),  # ModelOpt's hf_quant_config.json form
+    ("quads_file", "quads", "quads", "quads"),        # the export's hf_quant_config.json alone
 ])
 def test_model_config_chooses_quads(sglang_runtime, checkpoints, no_quads_env, kind, flag,
                                     want_method, want_source):
