@@ -322,6 +322,10 @@ class GRPOTrainer:
             if a.save and a.save_interval and (it % a.save_interval == 0 or it == a.train_iters):
                 ckpt.save_checkpoint(a.save, it, {"policy": self.policy.state_dict(), "history": self.history,
                                                   "args": vars(a)})
+                hf_dir = Path(a.save) / "hf"  # config.json + tokenizer: the HF side, for export with the converters
+                if _rank0() and not hf_dir.exists():
+                    self.tokenizer.save_pretrained(hf_dir)
+                    self.policy.hf_config().save_pretrained(hf_dir)
         if bar is not None:
             bar.close()
         summary = self.summary(sync_time)

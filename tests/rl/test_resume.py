@@ -18,6 +18,7 @@ def test_resume_gives_identical_next_step(tiny_args, tmp_path):
     main(tiny_args("--train-iters", "2", "--save", str(part), "--save-interval", "2", tb="b"))
     b = main(tiny_args("--train-iters", "3", "--save", str(part), "--save-interval", "2", "--resume", tb="b"))
     assert ckpt.latest_iteration(full) == ckpt.latest_iteration(part) == 3
+    assert (full / "hf" / "config.json").is_file() and (full / "hf" / "tokenizer.json").is_file()
     assert a["history"][2] == b["history"][2]  # step 3: same reward, log-prob gap, pass@1
     sa, sb = _final_state(full, 3)["policy"], _final_state(part, 3)["policy"]
     for k, v in sa["model"].items():
