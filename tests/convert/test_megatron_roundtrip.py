@@ -147,3 +147,14 @@ def test_trainer_checkpoint_to_hf_to_rollout_keeps_the_recipe(tiny_hf, tp1_megat
                          "--activation-mode", "w4a16", "--no-progress"])
     qc = json.loads((tmp_path / "rollout" / "config.json").read_text())["quantization_config"]
     assert "model.layers.1.mlp.experts*" in qc["exclude_modules"] and qc["recipe"] == recipe.to_dict()
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    """tie_word_embeddings: no lm_head on disk, Megatron shares embedding and output layer."""
+    from convert_fixtures import save_tiny_hf
+
+    hf = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=True)
+    assert "lm_head.weight" not in HFCheckpoint(hf)
+    hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--no-progress"])
+    megatron_to_hf.main(["--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "back"), "--no-progress"])
+    assert_same_checkpoint(hf, tmp_path / "back")
