@@ -135,6 +135,12 @@ def check_moe(rank: int, x: torch.Tensor) -> None:
     from sglang_ext.kernels import reference
 
     e, h, f = 4, 64, 64
+    try:
+        FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=2,
+                 params_dtype=torch.bfloat16, quant_config=config("w4a4_rac"), prefix="experts")
+        raise AssertionError("RAC with expert tensor parallelism should be refused")
+    except NotImplementedError as err:
+        assert "--ep-size" in str(err), err
     layer = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=2,
                      params_dtype=torch.bfloat16, quant_config=config("w4a4"), prefix="experts")
     mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", e)
