@@ -158,3 +158,20 @@ def test_tied_embeddings_round_trip(tmp_path):
     hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--no-progress"])
     megatron_to_hf.main(["--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "back"), "--no-progress"])
     assert_same_checkpoint(hf, tmp_path / "back")
+
+
+def test_unnormalised_top_k_router_logits_match(tmp_path):
+    """norm_topk_prob=False maps to moe_router_pre_softmax=True (softmax over all experts, then top-k)."""
+    from convert_fixtures import save_tiny_hf
+    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+
+    hf = save_tiny_hf(tmp_path / "hf", norm_topk_prob=False)
+    hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--no-progress"])
+    config = HFCheckpoint(hf).config
+    model = build_model_from_hf_config(config, params_dtype=torch.float32)
+    load_megatron_checkpoint(model, tmp_path / "mg")
+    assert model.config.moe_router_pre_softmax
+    ids = _ids(config["vocab_size"])
+    with torch.no_grad():
+        ours = model.eval()(ids, torch.arange(16).expand(2, -1), None)[..., : config["vocab_size"]]
+    torch.testing.assert_close(ours, _hf_logits(hf, ids), rtol=0, atol=LOGITS_ATOL)
