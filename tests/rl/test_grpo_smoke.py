@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from quads_megatron.rl.loop import main
 

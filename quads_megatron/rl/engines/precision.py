@@ -95,7 +95,6 @@ class NVFP4Experts(nn.Module):
             gu = xf[tok] @ w13f[e].t()
             h = nn.functional.silu(gu[:, :F]) * gu[:, F:]
             s2.update(h, torch.full((h.shape[0],), e, dtype=torch.long))
-            self._h.append(h)
             out.index_add_(0, tok, (h @ w2f[e].t()) * weights[tok, slot, None].float())
         self._x.append(xf)
         return out.to(x.dtype)
@@ -195,7 +194,7 @@ def calibrate_rac(model: nn.Module, quantized: dict, run_forward, rac_channels: 
             if isinstance(m, NVFP4Experts):
                 E, H = m.w13.shape[0], m.w13.shape[2] * 2
                 m.stats = (ActivationStats(H), ActivationStats(m.w2.shape[2] * 2, num_groups=E))
-                m._x, m._h = [], []
+                m._x = []
             else:
                 m.stats = ActivationStats(m.weight.shape[1] * 2)
     try:
@@ -226,7 +225,7 @@ def calibrate_rac(model: nn.Module, quantized: dict, run_forward, rac_channels: 
                         xc = xq.clone()
                         xc[:, m.w13_comp_index.long()] += rq
                         m.act_err["act_rel_err_rac"] = _rel_err(x, xc)
-                m._x, m._h = [], []
+                m._x = []
             else:
                 k = min(rac_channels, st.num_channels)
                 m.comp_index = calibrate_comp_channels(st, weight_column_norm_sq(m._deq()), k) if k else None
