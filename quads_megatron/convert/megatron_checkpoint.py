@@ -8,6 +8,7 @@ side files.  Megatron-LM training directories (``latest_checkpointed_iteration.t
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -71,8 +72,6 @@ def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = F
             dist.barrier()
     except BaseException:
         if _rank() == 0:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if _rank() == 0:

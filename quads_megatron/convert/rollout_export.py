@@ -22,8 +22,7 @@ from quads_megatron import nvfp4
 from quads_megatron.convert import cli, qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
 from quads_megatron.convert.errors import CheckpointError
-from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
-                                                  read_json, write_json)
+from quads_megatron.convert.hf_checkpoint import HFCheckpoint, ShardedSafetensorsWriter, format_listing, write_json
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
 from quads_megatron.convert.nvfp4_export import (expert_input_scale, modelopt_tensors, quantize_linears,
                                                  scope_from_recipe)
