@@ -17,6 +17,7 @@ from quads_megatron.convert.nvfp4_export import quantize_expert_linear
 # fp32 on both sides; measured max |diff| ~1e-6 on logits of magnitude ~1.5 (summation order only).
 LOGITS_ATOL = 1e-5
 WORKER = Path(__file__).with_name("convert_dist_worker.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -81,7 +82,7 @@ def test_synced_nvfp4_weights_are_the_trainers_fake_quantized_weights(tiny_hf, t
 
 def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     """One torchrun launch: write with TP=2/EP=2, read it back there and at TP=1, read TP=1 there."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            str(WORKER), str(tiny_hf), str(tp1_megatron), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
