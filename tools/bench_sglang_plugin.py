@@ -1,0 +1,207 @@
+"""Benchmark the `--quantization quads` layers inside SGLang: forward, CUDA-graph replay, RL weight update.
+
+Builds SGLang's QKVParallelLinear and FusedMoE with the quads methods at Qwen3-30B-A3B shapes
+(or --tiny ones), loads random NVFP4 checkpoint tensors through SGLang's loaders and prints a
+table: eager forward and CUDA-graph replay per layer (decode batch), one RL weight update of
+the layer (restore -> load -> process, SGLang's begin/end_weight_update helpers, tensors
+already on the device), and whether the graph captured before the update replays the new
+weights (equal to an eager forward). Correctness against the reference is the tests' job.
+
+    python tools/bench_sglang_plugin.py            # H100/H200, needs SGLang importable
+    python tools/bench_sglang_plugin.py --tiny     # CPU smoke run (torch reference kernels)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "sglang_ext")]
+
+from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear  # noqa: E402
+
+SHAPES = {  # hidden, heads, kv heads, head dim, experts, moe ffn, top-k
+    "qwen3-30b-a3b": dict(h=2048, heads=32, kv=4, hd=128, e=128, f=768, topk=8),
+    "tiny": dict(h=64, heads=4, kv=2, hd=16, e=4, f=32, topk=2),
+}
+
+
+def init_sglang() -> None:
+    """load_plugins + a 1-rank gloo world, as the scheduler does at start-up."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    reset_context()
+    publish(ServerArgs(model_path="dummy"), role="test", ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(world_group=ps._WORLD)
+    ps.initialize_model_parallel(backend="gloo")
+
+
+def timed(fn, device, iters: int) -> float:
+    """Mean milliseconds of fn() after a warm-up."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters * 1e3
+
+
+def update(model, load, device) -> None:
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    DefaultModelLoader.restore_weights_before_loading(model, device)
+    load()
+    DefaultModelLoader.postprocess_weights(model, device)
+
+
+def graph_of(fn, device):
+    """(replay callable, static output): a CUDA graph on GPU, the eager call elsewhere."""
+    if device.type != "cuda":
+        return fn, None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g.replay, out
+
+
+def bench_qkv(sh, cfg, device, tokens, iters):
+    from sglang.srt.layers.linear import QKVParallelLinear
+
+    with device:
+        layer = QKVParallelLinear(sh["h"], sh["hd"], sh["heads"], sh["kv"], bias=False,
+                                  params_dtype=torch.bfloat16, quant_config=cfg, prefix="qkv_proj")
+    model = torch.nn.ModuleDict({"qkv": layer})
+    widths = {"q": sh["heads"] * sh["hd"], "k": sh["kv"] * sh["hd"], "v": sh["kv"] * sh["hd"]}
+
+    def tensors(seed):
+        """(param, tensor, shard) calls of one checkpoint version, already on the device."""
+        calls = []
+        for sid, n in widths.items():
+            t = {**nvfp4_linear(n, sh["h"], seed), "input_scale": input_scale(seed),
+                 "input_comp_index": comp_index(sh["h"], cfg.settings.rac_num_channels or 16, seed)}
+            calls += [(getattr(layer, name), v.to(device), (sid,)) for name, v in t.items()
+                      if hasattr(layer, name)]
+        return calls
+
+    x = torch.randn(tokens, sh["h"], device=device, dtype=torch.bfloat16)
+    return run(model, lambda: layer(x)[0], tensors, device, iters)
+
+
+def bench_moe(sh, cfg, device, tokens, iters):
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    e, h, f = sh["e"], sh["h"], sh["f"]
+    with device:
+        layer = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0,
+                         top_k=sh["topk"], params_dtype=torch.bfloat16, quant_config=cfg,
+                         prefix="experts")
+    model = torch.nn.ModuleDict({"experts": layer})
+    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", e)
+    params = dict(layer.named_parameters(prefix="experts"))
+    k = cfg.settings.rac_num_channels
+    def tensors(seed):
+        """(param, tensor, loader args) calls of one checkpoint version, already on the device."""
+        fc1, calls = comp_index(h, k or 16, seed), []
+        for ex in range(e):
+            gate, up = nvfp4_gate_up(f, h, seed + ex)
+            ck = {}
+            for proj, t in (("gate_proj", gate), ("up_proj", up),
+                            ("down_proj", nvfp4_linear(h, f, seed + e + ex))):
+                ck.update({f"experts.{ex}.{proj}.{key}": v for key, v in t.items()})
+                ck[f"experts.{ex}.{proj}.input_scale"] = input_scale(seed)
+                ck[f"experts.{ex}.{proj}.input_comp_index"] = (
+                    comp_index(f, k or 16, seed + ex) if proj == "down_proj" else fc1)
+            for name, t in ck.items():
+                for param_name, weight_name, expert_id, shard_id in mapping:
+                    if weight_name in name:
+                        target = name.replace(weight_name, param_name)
+                        if target in params:
+                            calls.append((params[target], t.to(device),
+                                          (target, shard_id, expert_id)))
+                        break
+        return calls
+
+    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, e, device=device)
+    w, ids = torch.topk(torch.softmax(logits, -1), sh["topk"], dim=-1)
+    topk = StandardTopKOutput(w / w.sum(-1, keepdim=True), ids.to(torch.int32), logits)
+    return run(model, lambda: layer(x, topk), tensors, device, iters)
+
+
+def run(model, fwd, tensors, device, iters):
+    """(eager ms, graph ms, update ms, replay after update == eager)."""
+    def load(calls):
+        for p, t, args in calls:
+            p.weight_loader(p, t, *args)
+
+    first, second = tensors(1), tensors(2)
+    update(model, lambda: load(first), device)
+    eager = timed(fwd, device, iters)
+    replay, out = graph_of(fwd, device)
+    graph = timed(replay, device, iters) if out is not None else float("nan")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    update(model, lambda: load(second), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    upd = (time.perf_counter() - t) * 1e3
+    ok = True
+    if out is not None:
+        replay()
+        ok = torch.equal(out, fwd())
+    return eager, graph, upd, ok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--tokens", type=int, default=16, help="decode batch (tokens per forward)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--mode", default="w4a4_rac", choices=("w4a4", "w4a4_rac", "w4a16"))
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    os.environ.setdefault("QUADS_KERNEL_CHECKS", "0")  # serving hot path: no host syncs
+    init_sglang()
+    from sglang_ext.checkpoint_format import QuadsSettings
+    from sglang_ext.config import QuadsConfig
+
+    sh = SHAPES["tiny" if args.tiny else "qwen3-30b-a3b"]
+    k = 16 if args.tiny else 64
+    cfg = QuadsConfig(QuadsSettings(activation_mode=args.mode, activation_scaling="per_token",
+                                    rac_num_channels=k if args.mode == "w4a4_rac" else 0))
+    print(f"device {device}, mode {args.mode}, {args.tokens} tokens, shapes {sh}")
+    print(f"{'layer':<10} {'eager ms':>9} {'graph ms':>9} {'update ms':>10}  replay after update")
+    for name, fn in (("qkv_proj", bench_qkv), ("experts", bench_moe)):
+        eager, graph, upd, ok = fn(sh, cfg, device, args.tokens, args.iters)
+        print(f"{name:<10} {eager:>9.3f} {graph:>9.3f} {upd:>10.1f}  "
+              f"{'ok' if ok else 'STALE'}{'' if device.type == 'cuda' else ' (no graph on CPU)'}")
+
+
+if __name__ == "__main__":
+    main()
