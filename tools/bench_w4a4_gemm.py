@@ -2,7 +2,8 @@
 
 Qwen3-30B-A3B MoE shapes (128 experts, hidden 2048, expert FFN 768, top-8), tokens
 T in {16, 64, 256, 1024, 4096}: fc1 (N = 1536, K = 2048) and fc2 (N = 2048, K = 768) as grouped
-GEMMs over expert-sorted rows (balanced routing), the activation quantization (+RAC) pre-pass,
+GEMMs over expert-sorted rows (balanced routing), the activation quantization (+RAC) pre-pass, RAC both as served (residual folded into the
+activation tile) and in the exact K + k form (residual loop in the GEMM),
 the whole fused MoE, and one dense linear. Baselines: torch._grouped_mm (BF16) and
 torch._scaled_grouped_mm (FP8 e4m3, row-wise scales) called as in ../shared/notes/h200_anchors.py.
 Median of CUDA-event timings of CUDA-graph replays (10 calls per graph) after warm-up, so host
@@ -41,12 +42,22 @@ SWEEP = {  # spill-free on sm_90 per ptxas (checked offline), plus more warps fo
 }
 
 
-def timer(fn, iters: int, warmup: int = 3, reps: int = 10) -> float:
+def timer(fn, iters: int, warmup: int = 3, reps: int = 10, graph: bool = True) -> float:
     """Median milliseconds per call of fn. On GPU fn is captured `reps` times into one CUDA
     graph (as SGLang serves decode) and replays are timed with CUDA events, so host launch
-    overhead stays out; on CPU, perf_counter."""
+    overhead stays out (graph=False: plain events around each call); on CPU, perf_counter."""
     for _ in range(warmup):
         fn()
+    if torch.cuda.is_available() and not graph:
+        ts = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        return sorted(ts)[len(ts) // 2]
     if not torch.cuda.is_available():
         ts = []
         for _ in range(iters):
@@ -89,7 +100,7 @@ def copy_bandwidth(dev) -> float:
     """Device-to-device copy, bytes read + written per second."""
     x = torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    ms = timer(lambda: y.copy_(x), 20)
+    ms = timer(lambda: y.copy_(x), 20, graph=False)  # as in h200_anchors.py
     return 2 * x.numel() / (ms * 1e-3)
 
 
@@ -155,13 +166,18 @@ def grouped_case(t, gemm, shapes, dev, iters, k_comp, sweep):
     routing = moe_align_block_size(ti, cfg.block_m, e)
     naive = timer(lambda: launch_gemm(qa.values, qa.s_dec, *w, out, routing=routing,
                                       config=cfg, **kw), iters)
+    # the served RAC form: residual folded into the fp16 activation tile by the pre-pass
+    qf = quantize_activation_rac(x, comp, None, groups, fuse_residual=True)
+    fused = timer(lambda: launch_gemm(qf.values, qf.s_dec, *w, out, routing=routing,
+                                      config=cfg, **kw), iters)
     if gemm == "fc1":
-        aq = timer(lambda: quantize_activation_rac(x, comp), iters)
+        aq = timer(lambda: quantize_activation_rac(x, comp, fuse_residual=True), iters)
     else:
         inter = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
-        aq = timer(lambda: quantize_activation_rac(inter, comp, None, groups, silu_mul=True), iters)
-    return dict(rac_ms=best[1], w4a4_ms=naive, actq_ms=aq, config=tuple(cfg), sweep=res,
-                weight_bytes=e * n * k * 0.5625, m=m, n=n, k=k)
+        aq = timer(lambda: quantize_activation_rac(inter, comp, None, groups, silu_mul=True,
+                                                   fuse_residual=True), iters)
+    return dict(rac_exact_ms=best[1], w4a4_ms=naive, rac_ms=fused, actq_ms=aq,
+                config=tuple(cfg), sweep=res, weight_bytes=e * n * k * 0.5625, m=m, n=n, k=k)
 
 
 def moe_case(t, shapes, dev, iters, k_comp):
@@ -181,17 +197,17 @@ def dense_case(m, n, k, dev, iters, k_comp, copies=16):
     ws = [rand_packed(1, n, k, dev) for _ in range(copies)]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     comp = torch.sort(torch.randperm(k, device=dev)[:k_comp]).values.to(torch.int32)
-    qa = quantize_activation_rac(x, comp)
+    qa = quantize_activation_rac(x, comp, fuse_residual=True)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     it = iter(range(10 ** 9))
 
     def ours():
         w = ws[next(it) % copies]
-        launch_gemm(qa.values, qa.s_dec, w[0], w[1], w[2][:1], out, m=m,
-                    r=(qa.r_values, qa.r_s_dec), comp_index=comp)
+        launch_gemm(qa.values, qa.s_dec, w[0], w[1], w[2][:1], out, m=m)
 
     res = dict(m=m, n=n, k=k, rac_ms=timer(ours, iters, reps=copies),
-               actq_ms=timer(lambda: quantize_activation_rac(x, comp), iters))
+               actq_ms=timer(lambda: quantize_activation_rac(x, comp, fuse_residual=True),
+                             iters))
     if torch.cuda.is_available():
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         res["bf16_ms"] = timer(lambda: x @ wb[next(it) % copies].t(), iters, reps=copies)
@@ -252,9 +268,10 @@ def main():
 
     f_ = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     print(f"\ncopy bandwidth (read+write) {bw / 1e12:.2f} TB/s; RAC k = {k_comp}")
-    print("| T | gemm | bf16 grouped ms | fp8 grouped ms | w4a4 ms | w4a4+RAC ms | RAC vs fp8 |"
-          " RAC vs bf16 | weight TB/s (% copy) | act-quant ms (share) | tile |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| T | gemm | bf16 grouped ms | fp8 grouped ms | w4a4 ms | w4a4+RAC ms (fused) |"
+          " RAC exact K+k ms | RAC vs fp8 | RAC vs bf16 | weight TB/s (% copy) |"
+          " act-quant ms (share) | tile |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     moe_by_t = {r["T"]: r["rac_ms"] for r in rows if r["gemm"] == "moe"}
     for r in rows:
         if r["gemm"] == "moe":
@@ -265,7 +282,7 @@ def main():
         wbw = r["weight_bytes"] / (r["rac_ms"] * 1e-3)
         share = r["actq_ms"] / (r["actq_ms"] + r["rac_ms"])
         print(f"| {r['T']} | {r['gemm']} | {f_(bf16)} | {f_(fp8)} | {r['w4a4_ms']:.4f} | "
-              f"{r['rac_ms']:.4f} | {sp8} | {sp16} | {wbw / 1e12:.2f} ({100 * wbw / bw:.0f}%) | "
+              f"{r['rac_ms']:.4f} | {r['rac_exact_ms']:.4f} | {sp8} | {sp16} | {wbw / 1e12:.2f} ({100 * wbw / bw:.0f}%) | "
               f"{r['actq_ms']:.4f} ({100 * share:.0f}%) | {r['config']} |")
     print("\n| T | fused MoE w4a4+RAC ms (routing + 2 pre-passes + fc1 + fc2 + sum) |")
     print("|---|---|")

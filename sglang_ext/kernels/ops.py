@@ -1,5 +1,10 @@
 """Public rollout ops `w4a4_linear` and `w4a4_fused_moe` (docs/interfaces.md): validation, dispatch, launches.
 
+RAC: the residual is folded into the activation tile on the k compensation channels by the
+pre-pass (`fuse_residual`), so the GEMM streams exactly the W4A4 weight bytes and does the
+W4A4 work; the one fp16 rounding of xq + rq on those channels is 2^-12 relative (the exact
+K + k form stays available as `gemm.launch_gemm(..., r=...)`, and is what the bench compares).
+
 Dispatch: CUDA tensors (or TRITON_INTERPRET=1) run the Triton kernels; on SM100+ with
 FlashInfer installed, the dense W4A4 linear takes the native FP4 path (`blackwell.py`);
 CPU tensors run the torch reference (the same function) unless QUADS_KERNELS_ON_CPU=triton
@@ -69,9 +74,8 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if act_mode == "w4a16":
         launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
     else:
-        qa = quantize_activation_rac(x2d, comp, input_scale)
-        r = None if comp is None else (qa.r_values, qa.r_s_dec)
-        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp, bias=b)
+        qa = quantize_activation_rac(x2d, comp, input_scale, fuse_residual=True)
+        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, bias=b)
     return out.view(*x.shape[:-1], n)
 
 
@@ -123,10 +127,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         g, u = inter.to(torch.float32).split(f, dim=-1)
         h = (torch.nn.functional.silu(g) * u).to(x.dtype)
     else:
-        qa = quantize_activation_rac(x, c13, w13_input_scale)
-        r = None if c13 is None else (qa.r_values, qa.r_s_dec)
-        launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
-                    comp_index=c13, routing=routing, a_row_div=topk, config=cfg1)
+        qa = quantize_activation_rac(x, c13, w13_input_scale, fuse_residual=True)
+        launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, routing=routing,
+                    a_row_div=topk, config=cfg1)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if act_mode == "w4a16":
@@ -134,8 +137,8 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                     topk_weights=tw, config=cfg2)
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
-        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True)
-        r = None if c2 is None else (qh.r_values, qh.r_s_dec)
-        launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
-                    comp_index=c2, routing=routing, topk_weights=tw, config=cfg2)
+        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
+                                     fuse_residual=True)
+        launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, routing=routing,
+                    topk_weights=tw, config=cfg2)
     return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)
