@@ -35,7 +35,7 @@ def w4a4_linear_fp4(x, weight, weight_scale, weight_scale_2, input_scale, bias):
 
     k = weight.shape[-1] * 2
     x2d = x.reshape(-1, k).contiguous()
-    qa = quantize_activation_rac(x2d, None, input_scale)
+    qa = quantize_activation_rac(x2d, None, input_scale, with_values=False)
     a_sf = flashinfer.nvfp4_block_scale_interleave(qa.scale)
     b_sf = flashinfer.nvfp4_block_scale_interleave(weight_scale.view(torch.uint8).contiguous())
     y = flashinfer.mm_fp4(qa.data, weight.t(), a_sf, b_sf.t(), None, torch.bfloat16)
