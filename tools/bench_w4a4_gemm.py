@@ -269,7 +269,7 @@ def main():
     f_ = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     print(f"\ncopy bandwidth (read+write) {bw / 1e12:.2f} TB/s; RAC k = {k_comp}")
     print("| T | gemm | bf16 grouped ms | fp8 grouped ms | w4a4 ms | w4a4+RAC ms (fused) |"
-          " RAC exact K+k ms | RAC vs fp8 | RAC vs bf16 | weight TB/s (% copy) |"
+          " RAC exact K+k ms | fused RAC vs fp8 | fused RAC vs bf16 | weight TB/s (% copy) |"
           " act-quant ms (share) | tile |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     moe_by_t = {r["T"]: r["rac_ms"] for r in rows if r["gemm"] == "moe"}

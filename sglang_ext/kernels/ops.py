@@ -1,9 +1,10 @@
 """Public rollout ops `w4a4_linear` and `w4a4_fused_moe` (docs/interfaces.md): validation, dispatch, launches.
 
-RAC: the residual is folded into the activation tile on the k compensation channels by the
-pre-pass (`fuse_residual`), so the GEMM streams exactly the W4A4 weight bytes and does the
-W4A4 work; the one fp16 rounding of xq + rq on those channels is 2^-12 relative (the exact
-K + k form stays available as `gemm.launch_gemm(..., r=...)`, and is what the bench compares).
+RAC on Hopper has two forms (QUADS_RAC_HOPPER): "exact" (default) runs the residual as a
+short K + k loop in the GEMM and equals the reference at fp32-accumulation level; "fused"
+folds the residual into the fp16 activation tile on the k compensation channels in the
+pre-pass (one fp16 rounding there, 2^-12 relative), so the GEMM is the plain W4A4 kernel.
+docs/benchmarks.md has both timings.
 
 Dispatch: CUDA tensors (or TRITON_INTERPRET=1) run the Triton kernels; on SM100+ with
 FlashInfer installed, the dense W4A4 linear takes the native FP4 path (`blackwell.py`);
@@ -34,6 +35,16 @@ def _use_triton(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return True
     return interpreting() and os.environ.get("QUADS_KERNELS_ON_CPU", "reference") == "triton"
+
+
+def _rac_fused() -> bool:
+    """QUADS_RAC_HOPPER=fused folds the residual into the activation tile (faster GEMM, one
+    fp16 rounding on the k channels); the default "exact" runs the K + k residual loop, which
+    matches the reference at fp32 level (the SGLang plugin's tests compare bit for bit)."""
+    mode = os.environ.get("QUADS_RAC_HOPPER", "exact")
+    if mode not in ("exact", "fused"):
+        raise ValueError(f"QUADS_RAC_HOPPER: expected 'exact' or 'fused', got {mode!r}")
+    return mode == "fused"
 
 
 def _same_device(x: torch.Tensor, **tensors) -> None:
@@ -74,8 +85,10 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if act_mode == "w4a16":
         launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
     else:
-        qa = quantize_activation_rac(x2d, comp, input_scale, fuse_residual=True)
-        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, bias=b)
+        fused = _rac_fused()
+        qa = quantize_activation_rac(x2d, comp, input_scale, fuse_residual=fused)
+        r = None if comp is None or fused else (qa.r_values, qa.r_s_dec)
+        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp, bias=b)
     return out.view(*x.shape[:-1], n)
 
 
@@ -121,15 +134,17 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(m, two_f, dtype=x.dtype, device=x.device)
+    fused = _rac_fused()
     if act_mode == "w4a16":
         launch_gemm(x, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
                     routing=routing, a_row_div=topk, config=cfg1)
         g, u = inter.to(torch.float32).split(f, dim=-1)
         h = (torch.nn.functional.silu(g) * u).to(x.dtype)
     else:
-        qa = quantize_activation_rac(x, c13, w13_input_scale, fuse_residual=True)
-        launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, routing=routing,
-                    a_row_div=topk, config=cfg1)
+        qa = quantize_activation_rac(x, c13, w13_input_scale, fuse_residual=fused)
+        r = None if c13 is None or fused else (qa.r_values, qa.r_s_dec)
+        launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
+                    comp_index=c13, routing=routing, a_row_div=topk, config=cfg1)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if act_mode == "w4a16":
@@ -138,7 +153,8 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
         qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
-                                     fuse_residual=True)
-        launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, routing=routing,
-                    topk_weights=tw, config=cfg2)
+                                     fuse_residual=fused)
+        r = None if c2 is None or fused else (qh.r_values, qh.r_s_dec)
+        launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
+                    comp_index=c2, routing=routing, topk_weights=tw, config=cfg2)
     return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)

@@ -1,8 +1,8 @@
 """Plain-torch references of `w4a4_linear` and `w4a4_fused_moe`, built on `quads_megatron.nvfp4` and `quads_megatron.rac`.
 
 They define what the Triton kernels compute (fp32 math on dequantized values; the kernels
-accumulate the exact E2M1 x E4M3 products in fp32 and apply the fp32 global scales last; for
-w4a4_rac the Hopper kernels round xq + rq once to fp16 on the k compensation channels):
+accumulate the exact E2M1 x E4M3 products in fp32 and apply the fp32 global scales last;
+with QUADS_RAC_HOPPER=fused they also round xq + rq once to fp16 on the k RAC channels):
 - w4a4:     y = dq(q(x)) Wq^T                       (per-token or static activation scale)
 - w4a4_rac: y = dq(q(x)) Wq^T + dq(q(r)) Wq[:, S]^T (see `quads_megatron.rac`)
 - w4a16:    y = x Wq^T

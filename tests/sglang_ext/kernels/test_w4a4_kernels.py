@@ -25,7 +25,8 @@ def _kernels_on_cpu(monkeypatch):
     monkeypatch.setenv("QUADS_KERNELS_ON_CPU", "triton")
 
 
-FP32_TOL = {"w4a4": 2e-6, "w4a16": 2e-6, "w4a4_rac": 2.5e-4}
+FP32_TOL = {"w4a4": 2e-6, "w4a16": 2e-6, "w4a4_rac": 2e-6}
+FUSED_TOL = 2.5e-4  # QUADS_RAC_HOPPER=fused: one fp16 rounding of xq + rq on the k channels
 
 
 def rel(a, b):
@@ -281,6 +282,25 @@ def test_fused_moe_matches_reference_cpu(mode, dtype, t, per_expert):
                                           ("w4a16", torch.bfloat16, 100)])
 def test_fused_moe_matches_reference_gpu(mode, dtype, t):
     _check_moe("cuda", mode, dtype, t, 512, 384, 16, 4, True)
+
+
+@cpu_kernels
+def test_fused_rac_matches_reference_cpu(monkeypatch):
+    monkeypatch.setenv("QUADS_RAC_HOPPER", "fused")
+    _check_linear("cpu", "w4a4_rac", torch.float32, 5, 48, 272, 32, tol=FUSED_TOL)
+    _check_moe("cpu", "w4a4_rac", torch.float32, 7, 64, 48, 5, 2, True, tol=1.5 * FUSED_TOL)
+    _check_rac_helps("cpu")
+
+
+@gpu
+def test_fused_rac_matches_reference_gpu(monkeypatch):
+    monkeypatch.setenv("QUADS_RAC_HOPPER", "fused")
+    _check_linear("cuda", "w4a4_rac", torch.float32, 1, 1536, 2048 + 48, 64, tol=FUSED_TOL)
+    _check_linear("cuda", "w4a4_rac", torch.bfloat16, 333, 1536, 2048 + 48, 64)
+    _check_moe("cuda", "w4a4_rac", torch.float32, 3, 512, 384, 16, 4, True,
+               tol=1.5 * FUSED_TOL)
+    _check_moe("cuda", "w4a4_rac", torch.bfloat16, 300, 512, 384, 16, 4, True)
+    _check_rac_helps("cuda")
 
 
 def test_routing_sorts_by_expert_and_pads():
