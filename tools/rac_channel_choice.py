@@ -1,4 +1,4 @@
-"""Measure per-layer vs per-expert RAC compensation channels for fc2 on a synthetic MoE layer (CPU, seconds).
+"""Measure per-layer vs per-expert RAC compensation channels for fc2 on a synthetic MoE layer (CPU, ~1-2 min per seed).
 
 fc2 inputs h = SiLU(x Wg^T) * (x Wu^T) differ per expert. Two synthetic layers:
   "random":     Gaussian weights, hidden states with a few x30 outlier channels;
@@ -8,7 +8,7 @@ fc2 inputs h = SiLU(x Wg^T) * (x Wu^T) differ per expert. Two synthetic layers:
 Channels are calibrated on one token set and the fc2 output error (W4A4 vs BF16 activations,
 same NVFP4 weights) is measured on held-out tokens, relative Frobenius over routed rows.
 
-    PYTHONPATH=. python tools/rac_channel_choice.py [--seeds 3]
+    PYTHONPATH=. python tools/rac_channel_choice.py [--seeds 2]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def run(seed, structured, k, n_cal=2048, n_eval=2048, topk=4):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--k", type=int, default=32, help="compensation channels per set")
     args = p.parse_args()
     print("| layer | seed | no RAC | per-layer set | per-expert sets |")
