@@ -174,7 +174,7 @@ class GRPOTrainer:
         mbs = self.args.micro_batch_size
         batch = batch.to(self.policy.device)
         stats = {"loss": 0.0, "pg_clipfrac": 0.0, "tis_weight_mean": 0.0, "tis_clipfrac": 0.0, "mis_maskfrac": 0.0,
-                 "ppo_ratio_mean": 0.0, "entropy": 0.0, "grad_norm": 0.0,
+                 "ppo_ratio_mean": 0.0, "ess_ratio": 0.0, "entropy": 0.0, "grad_norm": 0.0,
                  "train_rollout_logprob_abs_diff": 0.0, "train_rollout_kl": 0.0}
         old_lp = None
         if self.steps_per_rollout > 1:
@@ -297,6 +297,7 @@ class GRPOTrainer:
                 "mismatch/train_rollout_kl": stats["train_rollout_kl"],
                 "mismatch/tis_weight_mean": stats["tis_weight_mean"], "mismatch/tis_clipfrac": stats["tis_clipfrac"],
                 "mismatch/mis_maskfrac": stats["mis_maskfrac"],
+                "mismatch/ess_ratio": stats["ess_ratio"],
                 "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                 "throughput/rollout_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
                 "throughput/train_tokens_per_s": float(batch.mask.sum()) / max(t2 - t1, 1e-9),

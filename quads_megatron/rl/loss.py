@@ -86,5 +86,7 @@ def policy_loss(
             "tis_weight_mean": masked_mean(weight, mask),
             "tis_clipfrac": masked_mean((is_ratio > cfg.tis_cap).to(logp.dtype), mask) if cfg.tis else torch.zeros(()),
             "mis_maskfrac": 1.0 - masked_mean(loss_mask, mask) if cfg.mis else torch.zeros(()),
+            # effective sample size of the train/rollout IS ratios over the tokens, in (0, 1]
+            "ess_ratio": masked_mean(is_ratio, mask) ** 2 / masked_mean(is_ratio ** 2, mask).clamp_min(1e-30),
         }
     return loss, stats

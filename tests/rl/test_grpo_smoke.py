@@ -8,7 +8,7 @@ from quads_megatron.rl.loop import main
 
 SCALARS = ["reward/mean", "reward/std", "eval/pass@1", "response/length_mean", "policy/entropy", "loss/policy",
            "optim/grad_norm", "policy/pg_clipfrac", "mismatch/train_rollout_logprob_abs_diff",
-           "mismatch/train_rollout_kl", "mismatch/tis_weight_mean", "mismatch/tis_clipfrac", "time/rollout",
+           "mismatch/train_rollout_kl", "mismatch/tis_weight_mean", "mismatch/tis_clipfrac", "mismatch/ess_ratio", "time/rollout",
            "time/train", "time/sync", "throughput/rollout_tokens_per_s", "quant/layer0/experts_weight_rel_err",
            "quant/layer0/experts_act_rel_err"]
 

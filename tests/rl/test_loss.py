@@ -23,6 +23,7 @@ def test_on_policy_gradient_is_reinforce():
     expect = -(adv[:, None] * mask) / mask.sum()
     assert torch.allclose(x.grad, expect, atol=1e-7)
     assert float(st["pg_clipfrac"]) == 0.0 and float(st["tis_weight_mean"]) == pytest.approx(1.0)
+    assert float(st["ess_ratio"]) == pytest.approx(1.0)
 
 
 def test_ppo_clip_stops_gradient_outside_trust_region():
@@ -46,6 +47,7 @@ def test_tis_weight_is_capped_ratio_of_old_to_rollout():
     w = torch.exp(lp - rollout).clamp(max=2.0)
     assert torch.allclose(x.grad, -(adv[:, None] * mask * w) / mask.sum(), atol=1e-6)
     assert float(st["tis_clipfrac"]) == pytest.approx(5 / 11)
+    assert 0 < float(st["ess_ratio"]) < 1
 
 
 def test_mis_masks_tokens_outside_band():
