@@ -136,11 +136,14 @@ class SGLangEngine(RolloutEngine):
         import base64
 
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        blob = base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
+        monkey_patch_torch_reductions()  # CUDA IPC handles that name the device by UUID, as SGLang expects
         for u in self.urls:
-            self._post(u, "/update_weights_from_tensor",
-                       {"serialized_named_tensors": [blob] * self.tp_sizes[u], "flush_cache": True})
+            # one payload per server TP rank (each rank deserializes its own copy), as sglang.Engine does
+            blobs = [base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
+                     for _ in range(self.tp_sizes[u])]
+            self._post(u, "/update_weights_from_tensor", {"serialized_named_tensors": blobs, "flush_cache": True})
 
     def _sync_disk(self, named):
         from safetensors.torch import save_file
