@@ -17,8 +17,8 @@ from quads_megatron.rl.engines.sglang_http import SGLangEngine, SGLangError
 
 
 class _Server:
-    def __init__(self, fail_update=False):
-        self.calls, self.fail_update = [], fail_update
+    def __init__(self, fail_update=False, tp_size=1):
+        self.calls, self.fail_update, self.tp_size, self.received = [], fail_update, tp_size, None
         owner = self
 
         class H(BaseHTTPRequestHandler):
@@ -35,7 +35,7 @@ class _Server:
 
             def do_GET(self):
                 owner.calls.append((self.path, None))
-                self._reply({"tp_size": 1} if self.path == "/get_server_info" else {})
+                self._reply({"tp_size": owner.tp_size} if self.path == "/get_server_info" else {})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -45,6 +45,10 @@ class _Server:
                     return self._reply([{"output_ids": [7] * (n - 1) + [1],
                                          "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * (n - 1) + [[-0.1, 1, None]],
                                                        "finish_reason": {"type": "stop"}}} for _ in body["input_ids"]])
+                if self.path == "/update_weights_from_tensor":
+                    from sglang.srt.utils import MultiprocessingSerializer
+
+                    owner.received = [MultiprocessingSerializer.deserialize(b) for b in body["serialized_named_tensors"]]
                 if self.path == "/update_weights_from_disk" and owner.fail_update:
                     return self._reply({"success": False, "message": "shape mismatch in w13_weight"}, 400)
                 self._reply({"success": True, "message": ""})
@@ -93,6 +97,20 @@ def test_weight_update_from_disk_is_bracketed(servers, tmp_path):
     path = [b for p, b in s.calls if p == "/update_weights_from_disk"][0]["model_path"]
     got = load_file(f"{path}/model.safetensors")
     assert set(got) == set(w) and torch.equal(got["model.embed_tokens.weight"], w["model.embed_tokens.weight"])
+
+
+def test_weight_update_from_tensor_one_payload_per_tp_rank(servers):
+    s = servers(tp_size=2)
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="tensor")
+    w = [("model.layers.0.mlp.experts.1.down_proj.weight", torch.randint(0, 255, (8, 4), dtype=torch.uint8)),
+         ("model.layers.0.mlp.experts.1.down_proj.weight_scale", torch.rand(8, 1).to(torch.float8_e4m3fn))]
+    eng.update_weights(w)
+    assert [p for p in s.paths() if "weight" in p] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                                        "/end_weight_update"]
+    assert len(s.received) == 2
+    for payload in s.received:
+        assert [n for n, _ in payload] == [n for n, _ in w]
+        assert all(t.dtype == ref.dtype and torch.equal(t.float(), ref.float()) for (_, t), (_, ref) in zip(payload, w))
 
 
 def test_failed_update_raises_and_still_closes_session(servers, tmp_path):

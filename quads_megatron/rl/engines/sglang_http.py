@@ -138,7 +138,8 @@ class SGLangEngine(RolloutEngine):
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        monkey_patch_torch_reductions()  # CUDA IPC handles that name the device by UUID, as SGLang expects
+        if any(t.is_cuda for _, t in named):
+            monkey_patch_torch_reductions()  # CUDA IPC handles that name the device by UUID, as SGLang expects
         for u in self.urls:
             # one payload per server TP rank (each rank deserializes its own copy), as sglang.Engine does
             blobs = [base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
