@@ -21,19 +21,9 @@ import triton
 import triton.language as tl
 
 from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
-from quads_megatron.nvfp4.triton_kernels import e2m1_decode, e4m3_decode, nvfp4_block_quantize
+from quads_megatron.nvfp4.triton_kernels import (e2m1_decode, e4m3_decode, global_scales,
+                                                 nvfp4_block_quantize)
 
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
-
-
-@triton.jit
-def _global_scales(amax):
-    """S_enc = 2688 / amax (<= FLT_MAX; 1 where amax or S_enc is 0), S_dec = 1 / S_enc."""
-    safe = tl.where(amax == 0.0, 1.0, amax)  # the amax == 0 result is replaced below
-    s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), safe), _FLT_MAX)
-    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
-    return s_enc, s_dec
 
 
 @triton.jit
@@ -89,7 +79,7 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
             m = rmask[:, None] & (cols < K)[None, :]
             v = _load_act(x_ptr, rows, cols[None, :], m, stride_xm, K, SILU_MUL)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    s_enc, s_dec = _global_scales(amax)
+    s_enc, s_dec = global_scales(amax)
     tl.store(sdec_ptr + rows, s_dec, mask=rmask)
     # 2) encode every 1x16 block of the row
     for k0 in range(0, K, BLOCK_K):
@@ -119,7 +109,7 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         sf = e4m3_decode(tl.load(qs_ptr + rbase * (K // 16) + idx // 16, mask=m, other=0))
         xq = e2m1_decode(code) * sf * s_dec[:, None]
         r = tl.where(m, xv - xq, 0.0)
-        r_enc, r_dec = _global_scales(tl.max(tl.abs(r), axis=1))
+        r_enc, r_dec = global_scales(tl.max(tl.abs(r), axis=1))
         tl.store(rsdec_ptr + rows, r_dec, mask=rmask)
         rcodes, rsf_bits, rsf_val = nvfp4_block_quantize(r, r_enc[:, None], r_dec[:, None],
                                                          BLOCK_KR // 16, BLOCK_M)
