@@ -91,3 +91,25 @@ def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: in
     if value_checks_enabled() and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"topk_ids: expert id out of range [0, {num_experts}): min "
                          f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
+
+
+def check_moe_inputs(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights,
+                     topk_ids, act_mode, w13_comp_index, w2_comp_index) -> tuple:
+    """Validate the fused-MoE operands: (num_experts, hidden, ffn, fc1 comp index, fc2 comp index)."""
+    check_act_mode(act_mode)
+    num_experts = w13.shape[0]
+    two_f, hidden = check_packed_weight(w13, w13_scale, w13_scale_2, ndim=3, name="w13")
+    h_out, f = check_packed_weight(w2, w2_scale, w2_scale_2, ndim=3, name="w2")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [tokens, hidden], got {tuple(x.shape)}")
+    check_activation(x, hidden)
+    if two_f != 2 * f or h_out != hidden or w2.shape[0] != num_experts:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected w13 "
+                         f"[E, 2F, H//2] and w2 [E, H, F//2]")
+    check_routing(topk_weights, topk_ids, x.shape[0], num_experts)
+    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index")
+    if c13 is not None and c13.ndim != 1:
+        raise ValueError("w13_comp_index: fc1 reads the same hidden states for every expert; "
+                         "expected one set per layer [k]")
+    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index")
+    return num_experts, hidden, f, c13, c2

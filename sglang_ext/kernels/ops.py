@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 from . import reference
-from ._checks import (check_act_mode, check_activation, check_comp, check_packed_weight,
-                      check_routing)
+from ._checks import (check_act_mode, check_activation, check_comp, check_moe_inputs,
+                      check_packed_weight)
 from .act_quant import quantize_activation_rac
 from .gemm import default_config, interpreting, launch_gemm
 from .routing import moe_align_block_size
@@ -99,22 +99,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
                    w2_input_scale=None) -> torch.Tensor:
     """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
-    check_act_mode(act_mode)
-    num_experts = w13.shape[0]
-    two_f, hidden = check_packed_weight(w13, w13_scale, w13_scale_2, ndim=3, name="w13")
-    h_out, f = check_packed_weight(w2, w2_scale, w2_scale_2, ndim=3, name="w2")
-    if x.ndim != 2:
-        raise ValueError(f"x: expected [tokens, hidden], got {tuple(x.shape)}")
-    check_activation(x, hidden)
-    if two_f != 2 * f or h_out != hidden or w2.shape[0] != num_experts:
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected w13 "
-                         f"[E, 2F, H//2] and w2 [E, H, F//2]")
-    check_routing(topk_weights, topk_ids, x.shape[0], num_experts)
-    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index")
-    if c13 is not None and c13.ndim != 1:
-        raise ValueError("w13_comp_index: fc1 reads the same hidden states for every expert; "
-                         "expected one set per layer [k]")
-    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index")
+    num_experts, hidden, f, c13, c2 = check_moe_inputs(
+        x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
+        act_mode, w13_comp_index, w2_comp_index)
     _same_device(x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights,
                  w13_comp_index=c13, w2_comp_index=c2)
     if not _use_triton(x):
@@ -128,12 +115,12 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if m == 0:
         return out
     x = x.contiguous()
-    cfg1 = default_config(m / num_experts, two_f, hidden)
+    cfg1 = default_config(m / num_experts, 2 * f, hidden)
     cfg2 = default_config(m / num_experts, hidden, f)._replace(block_m=cfg1.block_m)
     routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
-    inter = torch.empty(m, two_f, dtype=x.dtype, device=x.device)
+    inter = torch.empty(m, 2 * f, dtype=x.dtype, device=x.device)
     fused = _rac_fused()
     if act_mode == "w4a16":
         launch_gemm(x, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,

@@ -19,8 +19,8 @@ import torch
 from quads_megatron.nvfp4 import NVFP4Tensor, dequantize
 from quads_megatron.rac import compensated_activation
 
-from ._checks import (check_act_mode, check_activation, check_comp, check_packed_weight,
-                      check_routing)
+from ._checks import (check_act_mode, check_activation, check_comp, check_moe_inputs,
+                      check_packed_weight)
 
 __all__ = ["w4a4_linear", "w4a4_fused_moe", "dequantize_weight"]
 
@@ -70,22 +70,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
                    w2_input_scale=None) -> torch.Tensor:
     """Reference NVFP4 MoE: sum_j w_j * fc2_e(SiLU(gate_e) * up_e), e = topk_ids[t, j]."""
-    check_act_mode(act_mode)
-    num_experts = w13.shape[0]
-    two_f, hidden = check_packed_weight(w13, w13_scale, w13_scale_2, ndim=3, name="w13")
-    h_out, f = check_packed_weight(w2, w2_scale, w2_scale_2, ndim=3, name="w2")
-    if x.ndim != 2:
-        raise ValueError(f"x: expected [tokens, hidden], got {tuple(x.shape)}")
-    check_activation(x, hidden)
-    if two_f != 2 * f or h_out != hidden or w2.shape[0] != num_experts:
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected w13 "
-                         f"[E, 2F, H//2] and w2 [E, H, F//2]")
-    check_routing(topk_weights, topk_ids, x.shape[0], num_experts)
-    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index")
-    if c13 is not None and c13.ndim != 1:
-        raise ValueError("w13_comp_index: fc1 reads the same hidden states for every expert; "
-                         "expected one set per layer [k]")
-    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index")
+    num_experts, hidden, f, c13, c2 = check_moe_inputs(
+        x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
+        act_mode, w13_comp_index, w2_comp_index)
     w13f = dequantize_weight(w13, w13_scale, w13_scale_2)
     w2f = dequantize_weight(w2, w2_scale, w2_scale_2)
     tokens, topk = topk_ids.shape
