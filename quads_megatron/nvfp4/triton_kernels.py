@@ -108,17 +108,23 @@ if triton is not None:
         return s_enc, s_dec
 
     @triton.jit
+    def block_scales(vmax, s_enc, s_dec):
+        """Block amax -> (E4M3 scale bits, decoded scale, element encode scale), TE's order:
+        sf = e4m3(min(vmax * (S_enc * fp32(1/6)), 448)); enc = min(1 / (sf * S_dec), FLT_MAX)."""
+        sf_bits = e4m3_encode(tl.minimum(vmax * (s_enc * 0.16666666666666666), 448.0))
+        sf_val = e4m3_decode(sf_bits)
+        enc = tl.minimum(tl.math.div_rn(tl.full(sf_val.shape, 1.0, tl.float32), sf_val * s_dec),
+                         3.4028234663852886e38)
+        return sf_bits, sf_val, enc
+
+    @triton.jit
     def nvfp4_block_quantize(x, s_enc, s_dec, BLOCKS: tl.constexpr, ROWS: tl.constexpr):
         """One tile [ROWS, BLOCKS*16] fp32 -> (codes [ROWS, BLOCKS*16] uint8, scale bits
         [ROWS, BLOCKS] uint8, decoded scale [ROWS, BLOCKS] fp32); s_enc/s_dec are scalars
         or [ROWS, 1]. TE's reference operation order."""
         xb = tl.reshape(x, (ROWS, BLOCKS, 16))
         vmax = tl.max(tl.abs(xb), axis=2)
-        sf = tl.minimum(vmax * (s_enc * 0.16666666666666666), 448.0)
-        sf_bits = e4m3_encode(sf)
-        sf_val = e4m3_decode(sf_bits)
-        enc = tl.minimum(tl.math.div_rn(tl.full(sf_val.shape, 1.0, tl.float32), sf_val * s_dec),
-                         3.4028234663852886e38)
+        sf_bits, sf_val, enc = block_scales(vmax, s_enc, s_dec)
         scaled = tl.minimum(tl.maximum(xb * enc[:, :, None], -6.0), 6.0)
         codes = e2m1_encode(tl.reshape(scaled, (ROWS, BLOCKS * 16)))
         return codes, sf_bits, sf_val
@@ -150,11 +156,7 @@ if triton is not None:
             s_enc = tl.load(senc_ptr)
             s_dec = tl.load(sdec_ptr)
         vmax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)                        # [R, NB]
-        sf = tl.minimum(vmax * (s_enc * 0.16666666666666666), 448.0)
-        sf_bits = e4m3_encode(sf)
-        sf_val = e4m3_decode(sf_bits)
-        enc = tl.minimum(tl.math.div_rn(tl.full(sf_val.shape, 1.0, tl.float32), sf_val * s_dec),
-                         3.4028234663852886e38)
+        sf_bits, sf_val, enc = block_scales(vmax, s_enc, s_dec)
         scaled = tl.minimum(tl.maximum(x * enc[:, :, None, None], -6.0), 6.0)
         codes = e2m1_encode(scaled)
         if FAKE:
