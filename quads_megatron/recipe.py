@@ -1,41 +1,45 @@
-"""QuadsRecipe: the one description of what QUADS quantizes, read by the trainer, converters and rollout side."""
+"""QuadsRecipe: what the user asks QUADS to quantize and how (one serialisable dataclass).
+
+The recipe is the request; ``quads_megatron.plan.QuantPlan`` resolves it against one model's
+dimensions and parallel layout, and every consumer (trainer, export, weight sync, rollout
+engines, SGLang) reads the plan, never the recipe's fields directly.
+"""
+
+from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Tuple
 
+from quads_megatron import vocab
+from quads_megatron.vocab import ActivationScaling, Precision, Scope
+
 WEIGHT_FORMATS = ("nvfp4",)
 BLOCK_SHAPES = ((1, 16), (16, 16))
-# bf16: QUADS asymmetric QAT (weights fake-quantized, activations BF16);
-# nvfp4: symmetric fake quant of the expert inputs too (the naive baseline the paper ablates).
-ACTIVATION_MODES = ("bf16", "nvfp4")
-# How the rollout side scales activations for W4A4 (per-token dynamic, or a static per-tensor
-# input_scale from calibration); the trainer's nvfp4 activation mode mirrors it.
-ACTIVATION_SCALINGS = ("per_token", "per_tensor")
-SCOPES = ("routed_experts", "shared_experts", "dense_mlp", "attention")
 BACKENDS = ("torch", "te")
-RECIPE_VERSION = 1
-
-
-def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"QuadsRecipe.{name}={value!r} is not one of {list(allowed)}")
+RECIPE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class QuadsRecipe:
-    """Which modules are fake-quantized to NVFP4 and how (serialisable to JSON / checkpoints)."""
+    """Which weights are NVFP4, in the trainer and in the rollout engine, and how."""
 
     weight_format: str = "nvfp4"
     # (1, 16): per-row 16-element blocks, the rollout checkpoint layout (ModelOpt / SGLang);
-    # (16, 16): TE-style 2D weight tiles.
+    # (16, 16): TE-style 2D weight tiles (stored with the same per-row scale layout).
     block_shape: Tuple[int, int] = (1, 16)
-    activation_mode: str = "bf16"
-    activation_scaling: str = "per_token"
-    scope: Tuple[str, ...] = ("routed_experts",)
-    # BF16 carve-outs: the first / last N transformer layers, and fnmatch patterns on module
-    # names relative to the GPTModel (e.g. "decoder.layers.3.mlp.*").
+    # Trainer GEMMs of the quantized weights: w4a16 is Asymmetric QAT (the QUADS trainer),
+    # w4a4 the symmetric baseline, bf16 no quantization (a plain BF16 trainer).
+    train_precision: Precision = Precision.W4A16
+    # Rollout GEMMs of the quantized weights (w4a4_rac is the QUADS rollout).
+    rollout_precision: Precision = Precision.W4A4_RAC
+    activation_scaling: ActivationScaling = ActivationScaling.PER_TOKEN
+    # RAC compensation channels per GEMM (a multiple of 16; used by w4a4_rac).
+    rac_channels: int = 16
+    scope: Tuple[Scope, ...] = (Scope.ROUTED_EXPERTS,)
+    # BF16 carve-outs: the first / last N transformer layers, and fnmatch patterns on HF
+    # module names (e.g. "model.layers.3.mlp.experts.*", "model.layers.*.self_attn.o_proj").
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     bf16_patterns: Tuple[str, ...] = ()
@@ -46,22 +50,43 @@ class QuadsRecipe:
     version: int = RECIPE_VERSION
 
     def __post_init__(self):
-        object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.version != RECIPE_VERSION:
+            raise ValueError(f"QuadsRecipe.version={self.version!r}; this code reads version "
+                             f"{RECIPE_VERSION} (re-create the recipe with its current fields)")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"QuadsRecipe.weight_format={self.weight_format!r} is not one of "
+                             f"{list(WEIGHT_FORMATS)}")
+        try:
+            set_("block_shape", tuple(int(b) for b in self.block_shape))
+        except (TypeError, ValueError):
+            raise ValueError(f"QuadsRecipe.block_shape={self.block_shape!r}: expected two ints") from None
+        if self.block_shape not in BLOCK_SHAPES:
+            raise ValueError(f"QuadsRecipe.block_shape={self.block_shape!r} is not one of "
+                             f"{list(BLOCK_SHAPES)}")
+        train = vocab.parse_precision(self.train_precision, "QuadsRecipe.train_precision")
+        if train not in vocab.TRAIN_PRECISIONS:
+            raise ValueError(f"QuadsRecipe.train_precision={train.value!r}: the trainer runs one of "
+                             f"{[p.value for p in vocab.TRAIN_PRECISIONS]} (RAC is rollout-only)")
+        set_("train_precision", train)
+        set_("rollout_precision", vocab.parse_precision(self.rollout_precision,
+                                                        "QuadsRecipe.rollout_precision"))
+        set_("activation_scaling", vocab.parse_scaling(self.activation_scaling,
+                                                       "QuadsRecipe.activation_scaling"))
+        k = self.rac_channels
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k % 16:
+            raise ValueError(f"QuadsRecipe.rac_channels={k!r}: expected a multiple of 16 >= 0")
+        if self.rollout_precision.uses_rac and k == 0:
+            raise ValueError("QuadsRecipe: rollout_precision 'w4a4_rac' needs rac_channels > 0")
         for name in ("scope", "bf16_patterns"):
             value = getattr(self, name)
             if isinstance(value, str):
                 raise ValueError(f"QuadsRecipe.{name} must be a list of strings, got the string "
                                  f"{value!r}")
-            object.__setattr__(self, name, tuple(value))
-        _choice("weight_format", self.weight_format, WEIGHT_FORMATS)
-        _choice("block_shape", self.block_shape, BLOCK_SHAPES)
-        _choice("activation_mode", self.activation_mode, ACTIVATION_MODES)
-        _choice("activation_scaling", self.activation_scaling, ACTIVATION_SCALINGS)
-        _choice("backend", self.backend, BACKENDS)
         if not self.scope:
-            raise ValueError(f"QuadsRecipe.scope is empty; expected some of {list(SCOPES)}")
-        for s in self.scope:
-            _choice("scope", s, SCOPES)
+            raise ValueError(f"QuadsRecipe.scope is empty; expected some of {[s.value for s in Scope]}")
+        set_("scope", tuple(vocab.parse_scope(s, "QuadsRecipe.scope") for s in self.scope))
+        set_("bf16_patterns", tuple(self.bf16_patterns))
         for name in ("bf16_first_layers", "bf16_last_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -70,17 +95,24 @@ class QuadsRecipe:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"QuadsRecipe.bf16_patterns entries must be non-empty strings, "
                                  f"got {p!r}")
-        if self.version != RECIPE_VERSION:
-            raise ValueError(f"QuadsRecipe.version={self.version!r}; this code reads version "
-                             f"{RECIPE_VERSION}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"QuadsRecipe.backend={self.backend!r} is not one of {list(BACKENDS)}")
+
+    def replace(self, **changes) -> "QuadsRecipe":
+        """A copy with some fields changed (how CLI flags override a recipe file)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def to_dict(self) -> dict:
-        """Plain JSON-able dict (tuples as lists)."""
-        d = dataclasses.asdict(self)
-        for k, v in d.items():
+        """Plain JSON-able dict (tuples as lists, enums as their values)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
             if isinstance(v, tuple):
-                d[k] = list(v)
-        return d
+                v = [x.value if isinstance(x, Scope) else x for x in v]
+            elif isinstance(v, (Precision, ActivationScaling)):
+                v = v.value
+            out[f.name] = v
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuadsRecipe":
@@ -99,7 +131,3 @@ class QuadsRecipe:
     @classmethod
     def from_json(cls, text: str) -> "QuadsRecipe":
         return cls.from_dict(json.loads(text))
-
-    @property
-    def quantize_activations(self) -> bool:
-        return self.activation_mode == "nvfp4"
