@@ -1,7 +1,7 @@
 """`QuadsConfig`: SGLang's `--quantization quads` (NVFP4 weights, W4A4 + RAC activations).
 
 Reads a QUADS checkpoint's `quantization_config` (or a plain ModelOpt NVFP4 one; schema in
-`sglang_ext.checkpoint_format`) and hands out `QuadsLinearMethod` / `QuadsMoEMethod`.
+`quads_megatron.plan.rollout_schema`) and hands out `QuadsLinearMethod` / `QuadsMoEMethod`.
 Exclusion patterns follow ModelOpt's rules (it subclasses SGLang's `ModelOptQuantConfig`).
 """
 
@@ -17,8 +17,8 @@ from sglang.srt.layers.quantization.modelopt_quant import ModelOptQuantConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
-from .checkpoint_format import (QUANT_METHOD, QuadsSettings, is_modelopt_nvfp4,
-                                parse_quantization_config)
+from quads_megatron.plan.rollout_schema import (QUANT_METHOD, RolloutQuantConfig, is_modelopt_nvfp4,
+                                                parse_quantization_config)
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 class QuadsConfig(ModelOptQuantConfig):
     """The `quads` quantization method: ModelOpt NVFP4 tensors served by QUADS' W4A4 kernels."""
 
-    def __init__(self, settings: QuadsSettings,
+    def __init__(self, rollout: RolloutQuantConfig,
                  packed_modules_mapping: Optional[Dict[str, List[str]]] = None):
-        super().__init__(kv_cache_quant_algo=None, exclude_modules=list(settings.exclude_modules),
+        super().__init__(kv_cache_quant_algo=None, exclude_modules=list(rollout.exclude_modules),
                          packed_modules_mapping=packed_modules_mapping or {})
-        self.settings = settings
+        self.rollout = rollout
 
     # --- identity --------------------------------------------------------------------
     @classmethod
@@ -53,9 +53,9 @@ class QuadsConfig(ModelOptQuantConfig):
         config = dict(config)
         packed = config.pop("packed_modules_mapping", None) or {}
         config.pop("hf_config", None)
-        settings = parse_quantization_config(config)
-        logger.info("quads: %s", settings.to_dict())
-        return cls(settings, packed)
+        rollout = parse_quantization_config(config)
+        logger.info("quads: %s", rollout.to_dict())
+        return cls(rollout, packed)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:

@@ -29,7 +29,7 @@ from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_ext.kernels import w4a4_linear
 
-from .checkpoint_format import GROUP_SIZE
+from quads_megatron.plan.rollout_schema import GROUP_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class PerShardIndexParameter(BasevLLMParameter):
         if loaded_weight.dtype not in (torch.int32, torch.int64) or loaded_weight.ndim != 1 \
                 or loaded_weight.numel() != self.k:
             raise ValueError(f"{self.param_name}: expected int32 [{self.k}] compensation channel "
-                             f"indices (rac_num_channels), got {loaded_weight.dtype} "
+                             f"indices (rac_channels), got {loaded_weight.dtype} "
                              f"{tuple(loaded_weight.shape)}")
         self.data[shard * self.k:(shard + 1) * self.k].copy_(loaded_weight)
 
@@ -76,7 +76,7 @@ class QuadsLinearMethod(LinearMethodBase):
 
     def __init__(self, quant_config, prefix: str = ""):
         self.quant_config = quant_config
-        self.settings = quant_config.settings
+        self.rollout = quant_config.rollout
         self.prefix = prefix
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
@@ -86,15 +86,15 @@ class QuadsLinearMethod(LinearMethodBase):
         if input_size_per_partition % GROUP_SIZE:
             raise ValueError(f"{name}: NVFP4 needs the input size per partition to be a multiple "
                              f"of {GROUP_SIZE}, got {input_size_per_partition}")
-        rac = self.settings.uses_rac
-        k = self.settings.rac_num_channels
+        rac = self.rollout.uses_rac
+        k = self.rollout.rac_channels
         if rac and input_size_per_partition != input_size:
             raise NotImplementedError(
                 f"{name}: RAC on a row-parallel layer with TP > 1 needs per-rank compensation "
-                f"channels; serve with activation_mode w4a4 (QUADS_ACTIVATION_MODE=w4a4) or "
+                f"channels; serve with precision w4a4 (QUADS_PRECISION=w4a4) or "
                 f"without tensor parallelism for this layer")
         if rac and k > input_size_per_partition:
-            raise ValueError(f"{name}: rac_num_channels = {k} exceeds the {input_size_per_partition} "
+            raise ValueError(f"{name}: rac_channels = {k} exceeds the {input_size_per_partition} "
                              f"input channels")
         weight_loader = extra_weight_attrs.get("weight_loader")
         n = sum(output_partition_sizes)
@@ -129,17 +129,17 @@ class QuadsLinearMethod(LinearMethodBase):
         if bool(torch.isnan(ws2).any()) or bool((ws2 <= 0).any()):
             raise ValueError(f"{name}.weight_scale_2: expected {shards} positive float32 per-tensor "
                              f"scales from the checkpoint, got {ws2.tolist()} (NaN = not loaded)")
-        if self.settings.static_activation_scale:
+        if self.rollout.static_activation_scale:
             ins = layer.input_scale.detach()
             if bool(torch.isnan(ins).any()) or bool((ins <= 0).any()):
                 raise ValueError(f"{name}.input_scale: activation_scaling 'static' needs positive "
                                  f"per-tensor input scales, got {ins.tolist()} (NaN = not loaded)")
             copy_or_rebind_param(layer, "input_global_scale", ins.max().reshape(()))
         comp = None
-        if self.settings.uses_rac:
+        if self.rollout.uses_rac:
             comp = layer.input_comp_index.detach().view(shards, -1)
             if bool((comp == _UNSET_INDEX).any()):
-                raise ValueError(f"{name}.input_comp_index: activation_mode 'w4a4_rac' needs the "
+                raise ValueError(f"{name}.input_comp_index: precision 'w4a4_rac' needs the "
                                  f"checkpoint's compensation channels for every shard")
         shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
         # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
@@ -163,14 +163,14 @@ class QuadsLinearMethod(LinearMethodBase):
     def _shard_args(self, layer: torch.nn.Module, i: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight_scale_2, comp_index) views of shard i."""
         comp = None
-        if self.settings.uses_rac:
+        if self.rollout.uses_rac:
             comp = layer.input_comp_index.view(len(layer.logical_widths), -1)[i]
         return layer.weight_scale_2[i:i + 1], comp
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mode = self.settings.activation_mode
-        input_scale = layer.input_global_scale if self.settings.static_activation_scale else None
+        mode = self.rollout.precision.value
+        input_scale = layer.input_global_scale if self.rollout.static_activation_scale else None
         rows = layer.quads_shard_rows
         if rows is None:
             ws2, comp = self._shard_args(layer, 0)

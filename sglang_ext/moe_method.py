@@ -26,7 +26,7 @@ from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_ext.kernels import w4a4_fused_moe
 
-from .checkpoint_format import GROUP_SIZE
+from quads_megatron.plan.rollout_schema import GROUP_SIZE
 
 _SHARD_COLUMN = {"w1": 0, "w3": 1}
 _UNSET_INDEX = -1
@@ -45,7 +45,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, quant_config, prefix: str = ""):
         self.quant_config = quant_config
-        self.settings = quant_config.settings
+        self.rollout = quant_config.rollout
         self.prefix = prefix
 
     # --- weights -----------------------------------------------------------------------
@@ -65,15 +65,15 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         if h % GROUP_SIZE or f % GROUP_SIZE:
             raise ValueError(f"{name}: NVFP4 needs hidden size ({h}) and intermediate size per "
                              f"partition ({f}) to be multiples of {GROUP_SIZE}")
-        k = self.settings.rac_num_channels
-        if self.settings.uses_rac:
+        k = self.rollout.rac_channels
+        if self.rollout.uses_rac:
             if layer.moe_tp_size > 1:
                 raise NotImplementedError(
                     f"{name}: RAC with expert tensor parallelism (moe_tp_size = "
                     f"{layer.moe_tp_size}) needs per-rank fc2 channels; use expert parallelism "
-                    f"(--ep-size equal to --tp-size) or QUADS_ACTIVATION_MODE=w4a4")
+                    f"(--ep-size equal to --tp-size) or QUADS_PRECISION=w4a4")
             if k > f or k > h:
-                raise ValueError(f"{name}: rac_num_channels = {k} exceeds hidden ({h}) or "
+                raise ValueError(f"{name}: rac_channels = {k} exceeds hidden ({h}) or "
                                  f"intermediate ({f}) size")
         e, e_global = num_experts, layer.num_experts
         loader = extra_weight_attrs["weight_loader"]
@@ -100,7 +100,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         local_loader = _ExpertSlotLoader(layer, global_experts=False)
         add("w13_input_scale", _nan(e_global, 2), scalar_loader)
         add("w2_input_scale", _nan(e_global), scalar_loader)
-        if self.settings.uses_rac:
+        if self.rollout.uses_rac:
             for pname, shape in (("w13_input_comp_index", (e, 2, k)), ("w2_input_comp_index", (e, k))):
                 add(pname, torch.full(shape, _UNSET_INDEX, dtype=torch.int32), local_loader)
 
@@ -126,7 +126,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
                 f"global scales ({ws13[differ[0]].tolist()}); QUADS and ModelOpt export one shared "
                 f"scale per expert (quads_megatron.nvfp4.quantize_with_shared_scale)")
         copy_or_rebind_param(layer, "w13_global_scale", ws13[:, 0].contiguous())
-        if self.settings.static_activation_scale:
+        if self.rollout.static_activation_scale:
             for src, dst in (("w13_input_scale", "w13_input_global_scale"),
                              ("w2_input_scale", "w2_input_global_scale")):
                 s = getattr(layer, src).detach()
@@ -134,11 +134,11 @@ class QuadsMoEMethod(FusedMoEMethodBase):
                     raise ValueError(f"{name}.{src}: activation_scaling 'static' needs a positive "
                                      f"input_scale for every expert (NaN = not loaded)")
                 copy_or_rebind_param(layer, dst, s.max().reshape(()))
-        if self.settings.uses_rac:
+        if self.rollout.uses_rac:
             c13 = layer.w13_input_comp_index.detach()
             c2 = layer.w2_input_comp_index.detach()
             if bool((c13 == _UNSET_INDEX).any()) or bool((c2 == _UNSET_INDEX).any()):
-                raise ValueError(f"{name}: activation_mode 'w4a4_rac' needs input_comp_index for "
+                raise ValueError(f"{name}: precision 'w4a4_rac' needs input_comp_index for "
                                  f"gate_proj, up_proj and down_proj of every expert")
             flat = c13.reshape(-1, c13.shape[-1])
             if not bool((flat == flat[0]).all()):
@@ -158,12 +158,12 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             keep = topk_ids >= 0
             topk_weights = topk_weights * keep
             topk_ids = topk_ids.clamp(min=0)
-        static = self.settings.static_activation_scale
-        rac = self.settings.uses_rac
+        static = self.rollout.static_activation_scale
+        rac = self.rollout.uses_rac
         out = w4a4_fused_moe(
             x, layer.w13_weight, layer.w13_weight_scale, layer.w13_global_scale,
             layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2,
-            topk_weights, topk_ids, act_mode=self.settings.activation_mode,
+            topk_weights, topk_ids, act_mode=self.rollout.precision.value,
             w13_comp_index=layer.w13_comp_index if rac else None,
             w2_comp_index=layer.w2_input_comp_index if rac else None,
             w13_input_scale=layer.w13_input_global_scale if static else None,

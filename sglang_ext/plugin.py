@@ -20,7 +20,7 @@ def register() -> None:
     from sglang.srt.layers import linear
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
 
-    from .checkpoint_format import QUANT_METHOD
+    from quads_megatron.plan.rollout_schema import QUANT_METHOD
     from .config import QuadsConfig
 
     others = [(k, v) for k, v in QUANTIZATION_METHODS.items() if k != QUANT_METHOD]

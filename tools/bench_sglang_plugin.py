@@ -102,7 +102,7 @@ def bench_qkv(sh, cfg, device, tokens, iters):
         calls = []
         for sid, n in widths.items():
             t = {**nvfp4_linear(n, sh["h"], seed), "input_scale": input_scale(seed),
-                 "input_comp_index": comp_index(sh["h"], cfg.settings.rac_num_channels or 16, seed)}
+                 "input_comp_index": comp_index(sh["h"], cfg.rollout.rac_channels or 16, seed)}
             calls += [(getattr(layer, name), v.to(device), (sid,)) for name, v in t.items()
                       if hasattr(layer, name)]
         return calls
@@ -123,7 +123,7 @@ def bench_moe(sh, cfg, device, tokens, iters):
     model = torch.nn.ModuleDict({"experts": layer})
     mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", e)
     params = dict(layer.named_parameters(prefix="experts"))
-    k = cfg.settings.rac_num_channels
+    k = cfg.rollout.rac_channels
     def tensors(seed):
         """(param, tensor, loader args) calls of one checkpoint version, already on the device."""
         fc1, calls = comp_index(h, k or 16, seed), []
@@ -188,13 +188,13 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     os.environ.setdefault("QUADS_KERNEL_CHECKS", "0")  # serving hot path: no host syncs
     init_sglang()
-    from sglang_ext.checkpoint_format import QuadsSettings
+    from quads_megatron.plan.rollout_schema import RolloutQuantConfig
     from sglang_ext.config import QuadsConfig
 
     sh = SHAPES["tiny" if args.tiny else "qwen3-30b-a3b"]
     k = 16 if args.tiny else 64
-    cfg = QuadsConfig(QuadsSettings(activation_mode=args.mode, activation_scaling="per_token",
-                                    rac_num_channels=k if args.mode == "w4a4_rac" else 0))
+    cfg = QuadsConfig(RolloutQuantConfig(precision=args.mode, activation_scaling="per_token",
+                                    rac_channels=k if args.mode == "w4a4_rac" else 0))
     print(f"device {device}, mode {args.mode}, {args.tokens} tokens, shapes {sh}")
     print(f"{'layer':<10} {'eager ms':>9} {'graph ms':>9} {'update ms':>10}  replay after update")
     for name, fn in (("qkv_proj", bench_qkv), ("experts", bench_moe)):

@@ -5,7 +5,9 @@ captures its input hidden states and routing.  As ModelOpt does for MoE calibrat
 token counts for every expert's amax (so no expert is left uncalibrated); the RAC error
 statistics of fc2 use the tokens actually routed to each expert (all tokens for an expert that
 received none).  fc1 gets one channel set per layer, fc2 one per expert (``quads_megatron.rac``),
-chosen once the layer's NVFP4 weights exist (``LayerCalibration.comp_indices``).
+chosen once the layer's NVFP4 weights exist (``LayerCalibration.comp_indices``).  With
+``attention=True`` pre-hooks on ``self_attn.q_proj`` and ``o_proj`` do the same for the attention
+projections (q/k/v read one input, so they share one amax and one channel set).
 """
 
 import dataclasses
@@ -28,6 +30,7 @@ class LayerCalibration:
     fc1_stats: "rac.ActivationStats | None" = None
     fc2_routed: list | None = None      # ActivationStats per expert, tokens routed to it
     fc2_all: list | None = None         # ActivationStats per expert, every token
+    attn: "AttentionCalibration | None" = None
 
     def comp_indices(self, w13: torch.Tensor, w2: torch.Tensor, k: int) -> tuple:
         """RAC channel sets ``(fc1 [k], fc2 [E, k])`` ranked with the quantized weights' column norms.
@@ -45,6 +48,24 @@ class LayerCalibration:
                            for r, a in zip(self.fc2_routed, self.fc2_all)])
         fc2 = rac.calibrate_comp_channels(sq2, rac.weight_column_norm_sq(w2, per_expert=True), k)
         return fc1, fc2
+
+
+@dataclasses.dataclass
+class AttentionCalibration:
+    """One attention block: q/k/v and o_proj input amax and, with RAC, their error statistics."""
+
+    qkv_amax: torch.Tensor
+    o_amax: torch.Tensor
+    qkv_stats: "rac.ActivationStats | None" = None
+    o_stats: "rac.ActivationStats | None" = None
+
+    def comp_indices(self, w_qkv: torch.Tensor, w_o: torch.Tensor, k: int) -> tuple:
+        """RAC channel sets ``(q/k/v [k], o_proj [k])`` from the dequantized NVFP4 weights."""
+        if self.qkv_stats is None:
+            raise ValueError("comp_indices: calibrate(..., rac_stats=True) was not run")
+        qkv = rac.calibrate_comp_channels(self.qkv_stats, rac.weight_column_norm_sq(w_qkv, per_expert=False), k)
+        o = rac.calibrate_comp_channels(self.o_stats, rac.weight_column_norm_sq(w_o, per_expert=False), k)
+        return qkv, o
 
 
 def load_prompts(path, tokenizer_dir, *, num_samples: int, seq_len: int) -> list:
@@ -87,11 +108,18 @@ def random_prompts(vocab_size: int, *, num_samples: int, seq_len: int, seed: int
     return [torch.randint(0, vocab_size, (seq_len,), generator=g) for _ in range(num_samples)]
 
 
-def _capture_expert_inputs(model, run):
-    """Run ``run()`` with a pre-hook on each layer's experts; yield per call {layer: (x [T, H], topk [T, k])}."""
-    captured, handles = {}, []
+def _capture_inputs(model, run, attention: bool):
+    """Run ``run()`` with pre-hooks; return ``({layer: (x [T, H], topk [T, k])}, {layer: (qkv_in, o_in)})``."""
+    captured, attn, handles = {}, {}, []
     for idx, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
+        if attention:
+            def attn_hook(module, args, idx=idx, slot=0):
+                attn.setdefault(idx, [None, None])[slot] = args[0].detach().to(torch.float32).flatten(0, -2)
+
+            handles.append(layer.self_attn.q_proj.register_forward_pre_hook(attn_hook))
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
+                lambda m, a, idx=idx: attn_hook(m, a, idx, 1)))
 
         def hook(module, args, kwargs, idx=idx):
             x = args[0] if args else kwargs["hidden_states"]
@@ -104,7 +132,7 @@ def _capture_expert_inputs(model, run):
     finally:
         for h in handles:
             h.remove()
-    return captured
+    return captured, attn
 
 
 def _fc2_inputs(experts, x, e):
@@ -112,19 +140,22 @@ def _fc2_inputs(experts, x, e):
     return experts.act_fn(gate) * up
 
 
-def _for_each_batch(model, prompts, desc, progress, fn):
+def _for_each_batch(model, prompts, desc, progress, fn, attn_fn=None):
     device = next(model.parameters()).device
     for ids in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
-        captured = _capture_expert_inputs(model, lambda: model(ids.unsqueeze(0).to(device)))
+        captured, attn = _capture_inputs(model, lambda: model(ids.unsqueeze(0).to(device)), attn_fn is not None)
         for layer, (x, topk) in captured.items():
             fn(layer, model.model.layers[layer].mlp.experts, x, topk)
+        for layer, (qkv_in, o_in) in attn.items():
+            attn_fn(layer, qkv_in, o_in)
 
 
 @torch.no_grad()
 def calibrate(model, prompts, *, rac_stats: bool = False, static_scaling: bool = False,
-              progress: bool = True) -> dict:
+              attention: bool = False, progress: bool = True) -> dict:
     """``{layer: LayerCalibration}`` for a transformers Qwen3MoeForCausalLM on ``prompts``.
 
+    attention: also calibrate the attention projections (``LayerCalibration.attn``).
     rac_stats: also accumulate the RAC error statistics (a second pass, since with
     ``static_scaling`` they are measured under the static ``input_scale`` the first pass finds;
     otherwise under per-token scaling).
@@ -140,8 +171,17 @@ def calibrate(model, prompts, *, rac_stats: bool = False, static_scaling: bool =
         for e in range(E):
             fc2_amax[layer, e] = torch.maximum(fc2_amax[layer, e], nvfp4.amax_of(_fc2_inputs(experts, x, e)).cpu())
 
-    _for_each_batch(model, prompts, "calibrate amax", progress, amax_pass)
+    attn_amax = torch.zeros(num_layers, 2)
+
+    def attn_amax_pass(layer, qkv_in, o_in):
+        for slot, x in enumerate((qkv_in, o_in)):
+            attn_amax[layer, slot] = torch.maximum(attn_amax[layer, slot], nvfp4.amax_of(x).cpu())
+
+    _for_each_batch(model, prompts, "calibrate amax", progress, amax_pass, attn_amax_pass if attention else None)
     result = {layer: LayerCalibration(fc1_amax[layer].clone(), fc2_amax[layer].clone()) for layer in range(num_layers)}
+    for layer, c in result.items():
+        if attention:
+            c.attn = AttentionCalibration(attn_amax[layer, 0].clone(), attn_amax[layer, 1].clone())
     if not rac_stats:
         return result
     H, F = model.config.hidden_size, model.config.moe_intermediate_size
@@ -150,6 +190,11 @@ def calibrate(model, prompts, *, rac_stats: bool = False, static_scaling: bool =
         c.fc1_stats = rac.ActivationStats(H, input_scale=scale(c.fc1_amax))
         c.fc2_routed = [rac.ActivationStats(F, input_scale=scale(c.fc2_amax[e])) for e in range(E)]
         c.fc2_all = [rac.ActivationStats(F, input_scale=scale(c.fc2_amax[e])) for e in range(E)]
+        if attention:
+            a = c.attn
+            a.qkv_stats = rac.ActivationStats(H, input_scale=scale(a.qkv_amax))
+            a.o_stats = rac.ActivationStats(model.config.num_attention_heads * model.config.head_dim,
+                                            input_scale=scale(a.o_amax))
 
     def stats_pass(layer, experts, x, topk):
         c = result[layer]
@@ -159,5 +204,9 @@ def calibrate(model, prompts, *, rac_stats: bool = False, static_scaling: bool =
             c.fc2_all[e].update(act)
             c.fc2_routed[e].update(act[(topk == e).any(dim=-1)])
 
-    _for_each_batch(model, prompts, "calibrate RAC", progress, stats_pass)
+    def attn_stats_pass(layer, qkv_in, o_in):
+        result[layer].attn.qkv_stats.update(qkv_in)
+        result[layer].attn.o_stats.update(o_in)
+
+    _for_each_batch(model, prompts, "calibrate RAC", progress, stats_pass, attn_stats_pass if attention else None)
     return result

@@ -4,9 +4,8 @@ This is the RL weight-sync path and the back half of the Megatron -> HF converte
 the model-parallel group calls it with the same arguments (it runs collectives) and receives
 full tensors one parameter at a time: a tensor-parallel piece is all-gathered over (expert-)TP,
 an expert over EP as well, so no rank ever holds more than one gathered parameter (times the EP
-size for experts).  With ``scope`` the routed experts come out already in NVFP4 (ModelOpt names);
-the activation-side tensors (``input_scale``, ``input_comp_index``) are calibration results, not
-weights, and stay as the rollout checkpoint (``quads-export-rollout``) wrote them.
+size for experts).  The tensors come out in the trainer's dtype; for the rollout engine's NVFP4
+form pass the stream through ``quads_megatron.plan.quantize_named_params(stream, plan)``.
 """
 
 import torch
@@ -15,7 +14,6 @@ from tqdm import tqdm
 
 from quads_megatron.convert import qwen3_moe
 from quads_megatron.convert.megatron_params import global_param_refs, parallel_info, unwrap
-from quads_megatron.convert.nvfp4_export import quantize_expert_linear
 
 
 def _groups():
@@ -39,24 +37,17 @@ def _all_gather(t: torch.Tensor, group, size: int) -> list:
 def hf_dims_of(model, vocab_size: int | None = None):
     """``qwen3_moe.Dims`` of a live model (``vocab_size``: the HF, i.e. unpadded, vocabulary)."""
     gpt = unwrap(model)
-    c = gpt.config
-    return qwen3_moe.Dims(
-        vocab_size=vocab_size or gpt.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
-        num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups or c.num_attention_heads,
-        head_dim=c.kv_channels, num_experts=c.num_moe_experts, moe_ffn=c.moe_ffn_hidden_size,
-        tie_word_embeddings=gpt.share_embeddings_and_output_weights)
+    return qwen3_moe.dims_from_megatron_config(gpt.config, vocab_size or gpt.vocab_size,
+                                               gpt.share_embeddings_and_output_weights)
 
 
 @torch.no_grad()
 def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype | None = None,
-                    scope=None, experts: str = "gather", progress: bool = False):
+                    experts: str = "gather", progress: bool = False):
     """Yield ``(hf_name, tensor)`` for every weight of ``model`` (this pipeline stage's share).
 
     vocab_size: the HF vocabulary (Megatron's padded rows are dropped); default the model's.
     dtype: cast floating tensors (default: keep the parameter dtype).
-    scope: a ``nvfp4_export.QuantScope``; routed experts it covers are yielded as ModelOpt
-        NVFP4 triples (``.weight`` uint8, ``.weight_scale`` e4m3, ``.weight_scale_2`` fp32), gate
-        and up sharing one global scale, bit-identical to the trainer's fake quantization.
     experts: "gather" (every rank yields all experts) or "local" (each EP rank yields only the
         experts it holds, for per-rank pushes to the rollout engine; no EP collective).
     """
@@ -83,12 +74,7 @@ def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype 
             owned = [(ref.expert, full)]
         for expert, t_full in owned:
             names = qwen3_moe.hf_names(rule, ref.layer, expert)
-            tensors = qwen3_moe.to_hf(rule, t_full, dims)
-            if scope is not None and scope.quantizes(rule, ref.layer):
-                # Quantize the parameter as the trainer holds it (before any output cast).
-                yield from quantize_expert_linear(names, tensors, scope.block_shape)
-            else:
-                yield from zip(names, (_cast(t, dtype) for t in tensors))
+            yield from zip(names, (_cast(t, dtype) for t in qwen3_moe.to_hf(rule, t_full, dims)))
 
 
 def _cast(t: torch.Tensor, dtype):

@@ -165,6 +165,16 @@ def dims_from_hf_config(cfg: dict) -> Dims:
     return dims
 
 
+def dims_from_megatron_config(config, vocab_size: int, tie_word_embeddings: bool = False) -> Dims:
+    """``Dims`` of a Megatron-Core ``TransformerConfig`` (``vocab_size``: the HF, unpadded, vocabulary)."""
+    return Dims(
+        vocab_size=int(vocab_size), hidden_size=config.hidden_size, num_layers=config.num_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels, num_experts=config.num_moe_experts or 0,
+        moe_ffn=config.moe_ffn_hidden_size or 0, tie_word_embeddings=bool(tie_word_embeddings))
+
+
 def hf_shapes(dims: Dims) -> dict:
     """``{HF name: shape}`` of every tensor a checkpoint with this config must hold."""
     H, D, F = dims.hidden_size, dims.head_dim, dims.moe_ffn

@@ -1,10 +1,10 @@
 """``quads-export-rollout``: an HF (BF16) Qwen3-MoE checkpoint -> the NVFP4 rollout checkpoint SGLang loads.
 
 ``--format quads`` (default) writes what ``--quantization quads`` reads (schema:
-``sglang_ext.checkpoint_format``): the recipe's scope (routed experts) in ModelOpt NVFP4 tensors
-per expert projection (``weight`` uint8, ``weight_scale`` e4m3, ``weight_scale_2`` fp32 -- gate
-and up sharing it -- and ``input_scale`` fp32), the RAC channel sets as int32
-``input_comp_index``, everything else BF16 as it was; config.json gets ``quantization_config``
+``quads_megatron.plan.rollout_schema``): the weights the ``QuantPlan`` marks NVFP4 (routed experts,
+and attention when the recipe's scope has it) as ModelOpt tensors (``weight`` uint8,
+``weight_scale`` e4m3, ``weight_scale_2`` fp32 -- gate+up and q+k+v sharing it -- and
+``input_scale`` fp32), the RAC channel sets as int32 ``input_comp_index``, everything else as it was; config.json gets ``quantization_config``
 with ``quant_method: "quads"`` and ``hf_quant_config.json`` the ModelOpt-style summary.
 ``--format modelopt`` writes a plain ModelOpt NVFP4 (W4A4, ``quant_algo: NVFP4``) checkpoint that
 stock SGLang / vLLM load as ``modelopt_fp4``.  All NVFP4 numbers come from ``quads_megatron.nvfp4``,
@@ -18,20 +18,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from quads_megatron import nvfp4
+from quads_megatron import nvfp4, vocab
 from quads_megatron.convert import cli, qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
 from quads_megatron.convert.errors import CheckpointError
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint, ShardedSafetensorsWriter, format_listing, write_json
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
-from quads_megatron.convert.nvfp4_export import (expert_input_scale, modelopt_tensors, quantize_linears,
-                                                 scope_from_recipe)
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.plan import QuantPlan, quantize_scale_groups
+from quads_megatron.plan.named_params import modelopt_names
+from quads_megatron.vocab import ActivationScaling, Precision, Scope
 
 FORMATS = ("quads", "modelopt")
 PRODUCER = {"name": "quads-megatron", "version": "0.1.0"}
-# recipe.activation_scaling -> checkpoint activation_scaling
-_SCALING = {"per_token": "per_token", "per_tensor": "static"}
+_ROLLOUT_PRECISIONS = [p for p in vocab.precision_choices() if vocab.parse_precision(p).quantizes_weights]
 
 
 def parse_args(argv=None):
@@ -41,11 +41,12 @@ def parse_args(argv=None):
     p.add_argument("--format", choices=FORMATS, default="quads")
     p.add_argument("--recipe", default=None,
                    help="QuadsRecipe JSON file (default: --load-dir/quads_recipe.json if present, else QuadsRecipe())")
-    p.add_argument("--activation-mode", choices=("w4a4_rac", "w4a4", "w4a16"), default="w4a4_rac",
-                   help="--format quads only; modelopt is always w4a4 with static input_scale")
-    p.add_argument("--activation-scaling", choices=("per_token", "static"), default=None,
-                   help="default: the recipe's (per_tensor -> static)")
-    p.add_argument("--rac-channels", type=int, default=64, help="compensation channels k (multiple of 16)")
+    p.add_argument("--rollout-precision", choices=_ROLLOUT_PRECISIONS, default=None,
+                   help="default: the recipe's (--format quads only; modelopt is always w4a4 with static input_scale)")
+    p.add_argument("--activation-scaling", choices=[s.value for s in ActivationScaling], default=None,
+                   help="default: the recipe's")
+    p.add_argument("--rac-channels", type=int, default=None,
+                   help="compensation channels k (multiple of 16); default: the recipe's")
     p.add_argument("--calib-data", default=None,
                    help=".txt (a prompt per line) or .jsonl ('text'/'prompt'); default: random tokens (tiny models)")
     p.add_argument("--calib-size", type=int, default=64, help="number of calibration prompts")
@@ -59,87 +60,135 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def resolve_settings(args, recipe) -> dict:
-    """The activation side of the export: mode, scaling, k."""
-    if args.format == "modelopt":
-        return dict(activation_mode="w4a4", activation_scaling="static", rac_num_channels=0)
-    scaling = args.activation_scaling or _SCALING[recipe.activation_scaling]
-    k = args.rac_channels if args.activation_mode == "w4a4_rac" else 0
-    if args.activation_mode == "w4a4_rac" and (k <= 0 or k % nvfp4.BLOCK_SIZE):
-        raise CheckpointError(f"--rac-channels {k}: w4a4_rac needs a positive multiple of {nvfp4.BLOCK_SIZE}")
-    return dict(activation_mode=args.activation_mode, activation_scaling=scaling, rac_num_channels=k)
+def load_recipe(args):
+    """The recipe: --recipe, else --load-dir/quads_recipe.json, else the default; flags override it."""
+    from quads_megatron.recipe import QuadsRecipe
+
+    recipe_path = Path(args.recipe) if args.recipe else Path(args.load_dir) / RECIPE_FILE
+    if args.recipe and not recipe_path.is_file():
+        raise CheckpointError(f"--recipe {recipe_path}: file not found")
+    try:
+        recipe = QuadsRecipe.from_json(recipe_path.read_text()) if recipe_path.is_file() else QuadsRecipe()
+        if args.format == "modelopt":
+            return recipe.replace(rollout_precision=Precision.W4A4, activation_scaling=ActivationScaling.STATIC)
+        return recipe.replace(rollout_precision=args.rollout_precision,
+                              activation_scaling=args.activation_scaling, rac_channels=args.rac_channels)
+    except ValueError as e:
+        raise CheckpointError(f"{recipe_path if recipe_path.is_file() else 'recipe flags'}: {e}") from None
 
 
-def rollout_specs(dims, scope, settings) -> tuple:
+def _activation_entries(t, k):
+    """ModelOpt/QUADS activation-side tensor entries of one quantized linear: {suffix: (shape, dtype)}."""
+    out = {}
+    if t.rollout.quantizes_activations:
+        out["input_scale"] = ((), torch.float32)
+    if t.rollout.uses_rac:
+        out["input_comp_index"] = ((k,), torch.int32)
+    return out
+
+
+def rollout_specs(plan: QuantPlan) -> tuple:
     """``({name: shape}, {name: dtype})`` of every tensor of the rollout checkpoint (dtype None: as in HF)."""
     shapes, dtypes = {}, {}
-    hf = qwen3_moe.hf_shapes(dims)
-    a4 = settings["activation_mode"] != "w4a16"
-    k = settings["rac_num_channels"]
-    for rule, layer, expert in qwen3_moe.iter_rule_instances(dims):
-        for name in qwen3_moe.hf_names(rule, layer, expert):
-            if not scope.quantizes(rule, layer):
-                shapes[name] = hf[name]
-                continue
-            N, K = hf[name]
-            base = name[: -len(".weight")]
-            entries = {"weight": ((N, K // 2), torch.uint8), "weight_scale": ((N, K // 16), torch.float8_e4m3fn),
-                       "weight_scale_2": ((), torch.float32)}
-            if a4:
-                entries["input_scale"] = ((), torch.float32)
-            if k:
-                entries["input_comp_index"] = ((k,), torch.int32)
-            for suffix, (shape, dtype) in entries.items():
-                shapes[f"{base}.{suffix}"], dtypes[f"{base}.{suffix}"] = shape, dtype
+    for name, shape in qwen3_moe.hf_shapes(plan.dims).items():
+        t = plan[name]
+        if t is None or not t.quantized:
+            shapes[name] = shape
+            continue
+        N, K = shape
+        entries = {"weight": ((N, K // 2), torch.uint8), "weight_scale": ((N, K // 16), torch.float8_e4m3fn),
+                   "weight_scale_2": ((), torch.float32), **_activation_entries(t, t.rac_channels)}
+        for suffix, (shp, dtype) in entries.items():
+            shapes[f"{t.module}.{suffix}"], dtypes[f"{t.module}.{suffix}"] = shp, dtype
     return shapes, dtypes
 
 
-def _expert_layer(ckpt, dims, scope, layer, settings, calib, device):
-    """Yield the NVFP4 tensors of every expert of one layer (+ input_scale / input_comp_index).
+def _rac_sets(plan, layer, quantized, calib):
+    """{HF weight name: int32 comp index} for the RAC linears of one layer."""
+    out = {}
+    k = plan.rac_channels
+    deq = {n: q.dequantize(torch.float32).cpu() for n, q in quantized.items()}
+    E = plan.dims.num_experts
+    ex = f"model.layers.{layer}.mlp.experts"
+    if f"{ex}.0.gate_proj.weight" in deq and plan[f"{ex}.0.gate_proj.weight"].rollout.uses_rac:
+        w13 = torch.stack([torch.cat([deq[f"{ex}.{e}.gate_proj.weight"], deq[f"{ex}.{e}.up_proj.weight"]])
+                           for e in range(E)])
+        w2 = torch.stack([deq[f"{ex}.{e}.down_proj.weight"] for e in range(E)])
+        fc1, fc2 = calib[layer].comp_indices(w13, w2, k)
+        for e in range(E):
+            out[f"{ex}.{e}.gate_proj.weight"] = out[f"{ex}.{e}.up_proj.weight"] = fc1
+            out[f"{ex}.{e}.down_proj.weight"] = fc2[e]
+    at = f"model.layers.{layer}.self_attn"
+    qkv_names = [f"{at}.{p}_proj.weight" for p in "qkv"]
+    o_name = f"{at}.o_proj.weight"
+    qkv_rac = qkv_names[0] in deq and plan[qkv_names[0]].rollout.uses_rac
+    o_rac = o_name in deq and plan[o_name].rollout.uses_rac
+    if qkv_rac or o_rac:
+        w_qkv = torch.cat([deq[n] for n in qkv_names]) if qkv_rac else None
+        a = calib[layer].attn
+        qkv_set = rac_set(a.qkv_stats, w_qkv, k) if qkv_rac else None
+        for n in qkv_names if qkv_rac else []:
+            out[n] = qkv_set
+        if o_rac:
+            out[o_name] = rac_set(a.o_stats, deq[o_name], k)
+    return out
 
-    The whole layer is quantized first because the RAC channel ranking needs all its experts'
-    quantized weights (fc1 shares one set across experts).
-    """
-    prefix = f"model.layers.{layer}.mlp.experts"
-    projs = ("gate_proj", "up_proj", "down_proj")
-    quantized = []
-    for e in range(dims.num_experts):
-        gate, up, down = (ckpt.get(f"{prefix}.{e}.{p}.weight").to(device) for p in projs)
-        quantized.append(quantize_linears([gate, up], scope.block_shape) + quantize_linears([down], scope.block_shape))
-    a4 = settings["activation_mode"] != "w4a16"
-    k = settings["rac_num_channels"]
-    if k:
-        w13 = torch.stack([torch.cat([g.dequantize(torch.float32), u.dequantize(torch.float32)])
-                           for g, u, _ in quantized])
-        w2 = torch.stack([d.dequantize(torch.float32) for _, _, d in quantized])
-        fc1_idx, fc2_idx = calib[layer].comp_indices(w13.cpu(), w2.cpu(), k)
-    for e, qs in enumerate(quantized):
-        for proj, q in zip(projs, qs):
-            name = f"{prefix}.{e}.{proj}"
-            yield from modelopt_tensors(f"{name}.weight", q)
-            if not a4:
-                continue
-            fc1 = proj != "down_proj"
-            c = calib[layer]
-            yield f"{name}.input_scale", expert_input_scale(c.fc1_amax if fc1 else c.fc2_amax[e])
-            if k:
-                yield f"{name}.input_comp_index", (fc1_idx if fc1 else fc2_idx[e]).to(torch.int32).contiguous().clone()
+
+def rac_set(stats, w_deq, k):
+    """One RAC channel set from activation statistics and the dequantized weight's column norms."""
+    from quads_megatron import rac
+
+    return rac.calibrate_comp_channels(stats, rac.weight_column_norm_sq(w_deq, per_expert=False), k)
 
 
-def rollout_tensors(ckpt, dims, scope, settings, calib, device="cpu"):
-    """Yield every ``(name, tensor)`` of the rollout checkpoint, one layer's experts at a time."""
-    done_layers = set()
+def _input_amax(t, calib):
+    c = calib[t.layer]
+    if t.scope is Scope.ROUTED_EXPERTS:
+        return c.fc2_amax[t.expert] if t.name.endswith("down_proj.weight") else c.fc1_amax
+    return c.attn.o_amax if t.name.endswith("o_proj.weight") else c.attn.qkv_amax
+
+
+def _layer_names(dims):
+    """HF weight names in checkpoint order, grouped: (None, names) for model-level, (layer, names) per layer."""
+    groups, current = [], None
     for rule, layer, expert in qwen3_moe.iter_rule_instances(dims):
-        if not scope.quantizes(rule, layer):
-            for name in qwen3_moe.hf_names(rule, layer, expert):
-                yield name, ckpt.get(name)
-        elif layer not in done_layers:
-            done_layers.add(layer)
-            yield from _expert_layer(ckpt, dims, scope, layer, settings, calib, device)
+        if current is None or current[0] != layer:
+            current = (layer, [])
+            groups.append(current)
+        current[1].extend(qwen3_moe.hf_names(rule, layer, expert))
+    return groups
 
 
-def quant_configs(fmt: str, settings: dict, exclude: list, recipe, calib_info: dict) -> tuple:
+def rollout_tensors(ckpt, plan: QuantPlan, calib, device="cpu"):
+    """Yield every ``(name, tensor)`` of the rollout checkpoint, one layer at a time.
+
+    A layer is quantized as a whole first because its RAC channel ranking needs all its
+    quantized weights (fc1 and q/k/v share one set across the weights that read one input).
+    """
+    for layer, names in _layer_names(plan.dims):
+        stream = ((n, ckpt.get(n).to(device)) for n in names)
+        groups = list(quantize_scale_groups(stream, plan))
+        quantized = {n: q for ns, _, qs in groups if qs is not None for n, q in zip(ns, qs)}
+        comp = _rac_sets(plan, layer, quantized, calib) if layer is not None and quantized else {}
+        for ns, ts, qs in groups:
+            if qs is None:
+                yield ns[0], ts[0]
+                continue
+            for name, q in zip(ns, qs):
+                t = plan[name]
+                triple = q.to_modelopt()
+                for out, key in zip(modelopt_names(name), ("weight", "weight_scale", "weight_scale_2")):
+                    yield out, triple[key]
+                if t.rollout.quantizes_activations:
+                    yield f"{t.module}.input_scale", nvfp4.global_decode_scale(
+                        _input_amax(t, calib).to(torch.float32)).reshape(())
+                if t.rollout.uses_rac:
+                    yield f"{t.module}.input_comp_index", comp[name].to(torch.int32).contiguous().clone()
+
+
+def quant_configs(fmt: str, plan: QuantPlan, calib_info: dict) -> tuple:
     """``(config.json quantization_config, hf_quant_config.json)`` for the chosen format."""
+    exclude = plan.exclude_modules()
     summary = {"producer": PRODUCER,
                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": nvfp4.BLOCK_SIZE,
                                 "exclude_modules": list(exclude)}}
@@ -150,51 +199,43 @@ def quant_configs(fmt: str, settings: dict, exclude: list, recipe, calib_info: d
                                             "targets": ["Linear"]}},
               "ignore": list(exclude), "quant_algo": "NVFP4", "producer": PRODUCER, "quant_method": "modelopt"}
         return qc, summary
-    from sglang_ext.checkpoint_format import QuadsSettings
-
-    qc = QuadsSettings(exclude_modules=list(exclude), **settings).to_quantization_config()
-    qc.update(producer=PRODUCER, recipe=recipe.to_dict(), calibration=calib_info)
+    qc = plan.rollout_config().to_quantization_config()
+    qc.update(producer=PRODUCER, recipe=plan.recipe.to_dict(), calibration=calib_info)
     return qc, {**summary, "quads": qc}
 
 
 def export_rollout(args) -> Path | None:
-    from quads_megatron.recipe import QuadsRecipe
-
-    recipe_path = Path(args.recipe) if args.recipe else Path(args.load_dir) / RECIPE_FILE
-    if args.recipe and not recipe_path.is_file():
-        raise CheckpointError(f"--recipe {recipe_path}: file not found")
-    try:
-        recipe = QuadsRecipe.from_json(recipe_path.read_text()) if recipe_path.is_file() else QuadsRecipe()
-    except ValueError as e:
-        raise CheckpointError(f"{recipe_path}: not a valid QuadsRecipe ({e})") from None
+    recipe = load_recipe(args)
     if not args.dry_run:
         check_output_path(args.save_dir, force=args.force)
     ckpt = HFCheckpoint(args.load_dir)
     dims = qwen3_moe.dims_from_hf_config(ckpt.config)
     ckpt.validate(qwen3_moe.hf_shapes(dims))
-    scope = scope_from_recipe(recipe, dims)
-    settings = resolve_settings(args, recipe)
-    k = settings["rac_num_channels"]
-    if k > min(dims.hidden_size, dims.moe_ffn):
-        raise CheckpointError(f"--rac-channels {k}: more than the expert inputs have (hidden_size="
-                              f"{dims.hidden_size}, moe_intermediate_size={dims.moe_ffn})")
-    shapes, dtypes = rollout_specs(dims, scope, settings)
+    try:
+        plan = QuantPlan.resolve(recipe, dims)
+    except ValueError as e:
+        raise CheckpointError(f"{args.load_dir}: {e}") from None
+    if not plan.rollout_quantizes:
+        raise CheckpointError(f"{args.load_dir}: the recipe quantizes no weight for the rollout "
+                              f"(rollout_precision bf16 or everything carved out); nothing to export")
+    shapes, dtypes = rollout_specs(plan)
     max_bytes = cli.parse_size(args.max_shard_size)
     if args.dry_run:
         writer = ShardedSafetensorsWriter(args.save_dir, max_shard_bytes=max_bytes, dry_run=True)
         for name, shape in shapes.items():
             dtype = dtypes.get(name) or ckpt.dtype(name)
             writer.add(name, torch.empty(shape, dtype=dtype, device="meta"))
+        print(plan.describe())
         print(format_listing(writer.listing, writer.close() + ["config.json", "hf_quant_config.json"]))
         return None
 
     calib, calib_info = {}, {}
-    if settings["activation_mode"] != "w4a16":
-        calib, calib_info = run_calibration(args, dims, settings)
-    qc, summary = quant_configs(args.format, settings, scope.exclude_modules(dims), recipe, calib_info)
+    if plan.rollout_precision.quantizes_activations:
+        calib, calib_info = run_calibration(args, dims, plan)
+    qc, summary = quant_configs(args.format, plan, calib_info)
     with atomic_output_dir(args.save_dir, force=args.force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_bytes)
-        for name, t in tqdm(rollout_tensors(ckpt, dims, scope, settings, calib, args.device), total=len(shapes),
+        for name, t in tqdm(rollout_tensors(ckpt, plan, calib, args.device), total=len(shapes),
                             desc=f"export {args.format}", disable=args.no_progress, unit="tensor"):
             writer.add(name, t)
         writer.close()
@@ -208,7 +249,7 @@ def export_rollout(args) -> Path | None:
     return Path(args.save_dir)
 
 
-def run_calibration(args, dims, settings):
+def run_calibration(args, dims, plan):
     """Calibrate input amax (and RAC channels) with the BF16 HF model on the calibration prompts."""
     from transformers import Qwen3MoeForCausalLM
 
@@ -223,8 +264,10 @@ def run_calibration(args, dims, settings):
                                  seed=args.seed)
         source = f"random(seed={args.seed})"
     model = Qwen3MoeForCausalLM.from_pretrained(args.load_dir, dtype=torch.bfloat16).to(args.device)
-    calib = calibrate(model, prompts, rac_stats=settings["rac_num_channels"] > 0,
-                      static_scaling=settings["activation_scaling"] == "static", progress=not args.no_progress)
+    attention = any(t.quantized for t in plan if t.scope is Scope.ATTENTION)
+    calib = calibrate(model, prompts, rac_stats=plan.rac_channels > 0,
+                      static_scaling=plan.activation_scaling is ActivationScaling.STATIC,
+                      attention=attention, progress=not args.no_progress)
     del model
     info = {"source": source, "num_samples": len(prompts), "num_tokens": int(sum(p.numel() for p in prompts))}
     return calib, info

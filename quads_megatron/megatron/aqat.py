@@ -5,8 +5,10 @@ modules in a GPTModel built with Megatron's own layer specs and wraps their ``fo
 that, for the duration of the call, each weight attribute reads the NVFP4 fake-quantized
 weight (straight-through gradient to the BF16/FP32 master Parameter).  The Parameters
 themselves are untouched, so ``state_dict``/``sharded_state_dict`` names, optimizers and
-dist_checkpointing see exactly the unquantized model.  Activation mode ``nvfp4`` also
-fake-quantizes each target's input (the naive symmetric baseline).
+dist_checkpointing see exactly the unquantized model.  Train precision ``w4a4`` also
+fake-quantizes each target's input (the naive symmetric baseline).  Which modules, at which
+block shape and precision, comes from the ``QuantPlan`` resolved from the recipe (the same plan
+the export and weight sync read), so the trainer quantizes exactly what the rollout serves.
 
 Cost: each quantized weight is fake-quantized once per optimizer step and cached (one extra
 copy of those weights in memory; ``QuadsRecipe(cache_weights=False)`` trades it for
@@ -20,12 +22,12 @@ Expert layer classes: ``SequentialMLP`` (local spec; ColumnParallelLinear fc1 ho
 only), ``TEGroupedMLP`` (TE GroupedLinear ``weight{i}``; guarded, untested here: no TE).
 """
 
-import fnmatch
 import types
 
 import torch
 
 from quads_megatron.megatron.fake_quant import WeightFakeQuant, fake_quantize_activation
+from quads_megatron.plan import EXPERT_TENSOR_PARALLEL, QuantPlan
 from quads_megatron.recipe import QuadsRecipe
 
 
@@ -76,62 +78,77 @@ def unwrap_model(model):
     return model
 
 
-def _group_of(module, is_expert):
+def _group_of(module, reduce_group):
+    """The process group that reduces this module's global amax (the plan names its kind)."""
     group = getattr(module, "tp_group", None)
     if group is not None:
         return group
     from megatron.core import parallel_state
 
-    return (parallel_state.get_expert_tensor_parallel_group() if is_expert
-            else parallel_state.get_tensor_model_parallel_group())
+    if reduce_group == EXPERT_TENSOR_PARALLEL:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
 
 
-def _candidates(layer_name, layer):
-    """(scope, name, module, kind, is_expert, k_sharded) for every quantizable module of one layer."""
-    from megatron.core.transformer.mlp import MLP
+def _candidates(layer, layer_name):
+    """(name, module, kind, global Megatron weight names, k_sharded) of one layer's quantizable modules.
+
+    The global names (global layer and expert indices) are how the plan is asked about them.
+    """
     from megatron.core.transformer.moe import experts as moe_experts
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
     SequentialMLP = moe_experts.SequentialMLP
     GroupedMLP = getattr(moe_experts, "GroupedMLP", ())  # legacy; gone in megatron-core 0.19
-
+    L = f"decoder.layers.{layer.layer_number - 1}"
     out = []
     attn = getattr(layer, "self_attention", None)
     for sub, k_sharded in (("linear_qkv", False), ("linear_proj", True)):
         if attn is not None and hasattr(attn, sub):
-            out.append(("attention", f"{layer_name}.self_attention.{sub}", getattr(attn, sub),
-                        "linear", False, k_sharded))
+            out.append((f"{layer_name}.self_attention.{sub}", getattr(attn, sub), "linear",
+                        [f"{L}.self_attention.{sub}.weight"], k_sharded))
     mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, BaseMoELayer):
+        return out
+    experts, prefix = mlp.experts, f"{layer_name}.mlp.experts"
+    ids = list(mlp.local_expert_indices)
 
-    def mlp_pair(scope, prefix, m, is_expert):
-        return [(scope, f"{prefix}.linear_fc1", m.linear_fc1, "linear", is_expert, False),
-                (scope, f"{prefix}.linear_fc2", m.linear_fc2, "linear", is_expert, True)]
+    def names(fc):
+        return [f"{L}.mlp.experts.local_experts.{e}.{fc}.weight" for e in ids]
 
-    if isinstance(mlp, BaseMoELayer):
-        experts, prefix = mlp.experts, f"{layer_name}.mlp.experts"
-        if isinstance(experts, SequentialMLP):
-            for i, expert in enumerate(experts.local_experts):
-                out += mlp_pair("routed_experts", f"{prefix}.local_experts.{i}", expert, True)
-        elif isinstance(experts, GroupedMLP):
-            out.append(("routed_experts", prefix, experts, "grouped", True, False))
-        elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):
-            out.append(("routed_experts", f"{prefix}.linear_fc1", experts.linear_fc1, "te_grouped",
-                        True, False))
-            out.append(("routed_experts", f"{prefix}.linear_fc2", experts.linear_fc2, "te_grouped",
-                        True, True))
-        else:
-            raise TypeError(f"{prefix}: expert class {type(experts).__name__} is not supported "
-                            "(SequentialMLP, GroupedMLP, TEGroupedMLP are)")
-        if getattr(mlp, "shared_experts", None) is not None:
-            out += mlp_pair("shared_experts", f"{layer_name}.mlp.shared_experts",
-                            mlp.shared_experts, False)
-    elif isinstance(mlp, MLP):
-        out += mlp_pair("dense_mlp", f"{layer_name}.mlp", mlp, False)
+    if isinstance(experts, SequentialMLP):
+        for i, expert in enumerate(experts.local_experts):
+            for fc, k_sharded in (("linear_fc1", False), ("linear_fc2", True)):
+                out.append((f"{prefix}.local_experts.{i}.{fc}", getattr(expert, fc), "linear",
+                            [names(fc)[i]], k_sharded))
+    elif isinstance(experts, GroupedMLP):
+        out.append((prefix, experts, "grouped", names("linear_fc1") + names("linear_fc2"), False))
+    elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):
+        for fc, k_sharded in (("linear_fc1", False), ("linear_fc2", True)):
+            out.append((f"{prefix}.{fc}", getattr(experts, fc), "te_grouped", names(fc), k_sharded))
+    else:
+        raise TypeError(f"{prefix}: expert class {type(experts).__name__} is not supported "
+                        "(SequentialMLP, GroupedMLP, TEGroupedMLP are)")
     return out
 
 
 def _is_te_module(module):
     return type(module).__module__.startswith("megatron.core.extensions.transformer_engine")
+
+
+def plan_for_model(model, recipe: QuadsRecipe = None) -> QuantPlan:
+    """The QuantPlan of ``recipe`` for this GPTModel and the initialized parallel layout."""
+    from megatron.core import parallel_state as ps
+
+    from quads_megatron.convert import qwen3_moe
+
+    gpt = unwrap_model(model)
+    dims = qwen3_moe.dims_from_megatron_config(gpt.config, gpt.vocab_size,
+                                               gpt.share_embeddings_and_output_weights)
+    parallel = ps.model_parallel_is_initialized()
+    tp = ps.get_tensor_model_parallel_world_size() if parallel else 1
+    etp = ps.get_expert_tensor_parallel_world_size() if parallel else 1
+    return QuantPlan.resolve(recipe, dims, tp=tp, etp=etp)
 
 
 class QuadsConverter:
@@ -151,45 +168,39 @@ class QuadsConverter:
         self.recipe = recipe
 
     def convert(self, model):
-        """Wrap the recipe's target modules of ``model`` (or of each model chunk) in place; returns it."""
+        """Wrap the plan's trainer-quantized modules of ``model`` (or of each chunk) in place; returns it."""
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
         if isinstance(model, (list, tuple)):
             return type(model)(self.convert(chunk) for chunk in model)
 
-        recipe, gpt = self.recipe, unwrap_model(model)
+        gpt = unwrap_model(model)
         if getattr(gpt, "quads_targets", None):
             raise RuntimeError("apply_quads: this model is already converted")
-        config, num_layers = gpt.config, gpt.config.num_layers
-        names = [n for n, _ in gpt.named_modules()]
-        for pattern in recipe.bf16_patterns:
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise ValueError(f"QuadsRecipe.bf16_patterns: {pattern!r} matches no module of "
-                                 f"this model (names look like 'decoder.layers.0.mlp.experts."
-                                 f"local_experts.0.linear_fc1')")
-        found, targets = set(), {}
+        plan = plan_for_model(gpt, self.recipe)
+        targets = {}
         for layer_name, layer in gpt.named_modules():
             if not isinstance(layer, TransformerLayer):
                 continue
-            carved = (layer.layer_number <= recipe.bf16_first_layers
-                      or layer.layer_number > num_layers - recipe.bf16_last_layers)
-            for scope, name, module, kind, is_expert, k_sharded in _candidates(layer_name, layer):
-                found.add(scope)
-                if scope not in recipe.scope or carved:
-                    continue
-                if any(fnmatch.fnmatchcase(name, p) for p in recipe.bf16_patterns):
-                    continue
-                targets[name] = self._wrap(name, module, kind, is_expert, k_sharded, config)
-        missing = [s for s in recipe.scope if s not in found]
-        if missing:
-            raise ValueError(f"QuadsRecipe.scope names {missing}, which this model does not have "
-                             f"(it has {sorted(found)})")
+            for name, module, kind, megatron_names, k_sharded in _candidates(layer, layer_name):
+                plans = [t for n in megatron_names for t in plan.for_megatron(n)]
+                if not plans:
+                    raise ValueError(f"{name}: not a Qwen3-MoE weight the quantization plan knows "
+                                     f"({megatron_names[0]})")
+                precisions = {t.train for t in plans}
+                if len(precisions) > 1:  # the plan keeps fused units uniform; this is a bug
+                    raise RuntimeError(f"{name}: mixed trainer precisions {precisions}")
+                (precision,) = precisions
+                if precision.quantizes_weights:
+                    targets[name] = self._wrap(name, module, kind, plans[0], k_sharded)
         gpt.quads_targets = targets
-        gpt.quads_recipe = recipe
+        gpt.quads_recipe = self.recipe
+        gpt.quads_plan = plan
         return model
 
-    def _wrap(self, name, module, kind, is_expert, k_sharded, config):
+    def _wrap(self, name, module, kind, tensor_plan, k_sharded):
         recipe = self.recipe
+        quantize_input = tensor_plan.train.quantizes_activations
         if hasattr(module, "_quads"):
             raise RuntimeError(f"{name}: already wrapped by apply_quads")
         if getattr(module, "gradient_accumulation_fusion", False) or getattr(
@@ -197,13 +208,13 @@ class QuadsConverter:
             raise ValueError(f"{name}: gradient_accumulation_fusion=True accumulates into the "
                              "weight's main_grad inside the GEMM, which the fake-quantized weight "
                              "does not own; set gradient_accumulation_fusion=False for AQAT")
-        if recipe.quantize_activations and (kind == "grouped" or (
+        if quantize_input and (kind == "grouped" or (
                 _is_te_module(module) and "LayerNorm" in type(module).__name__)):
-            raise ValueError(f"{name}: activation_mode='nvfp4' needs the GEMM input at the module "
+            raise ValueError(f"{name}: train_precision 'w4a4' needs the GEMM input at the module "
                              f"boundary; {type(module).__name__} computes it inside its forward "
-                             "(use SequentialMLP / the local spec, or activation_mode='bf16')")
-        group = _group_of(module, is_expert)
-        opts = dict(block_shape=recipe.block_shape, group=group, backend=recipe.backend,
+                             "(use SequentialMLP / the local spec, or train_precision 'w4a16')")
+        group = _group_of(module, tensor_plan.reduce_group)
+        opts = dict(block_shape=tensor_plan.block_shape, group=group, backend=recipe.backend,
                     cache=recipe.cache_weights)
         if kind == "linear":
             weights = {"weight": WeightFakeQuant(name, module.weight, **opts)}
@@ -216,8 +227,8 @@ class QuadsConverter:
         else:  # te_grouped: one weight{i} per local expert
             weights = {p: WeightFakeQuant(f"{name}.{p}", w, **opts)
                        for p, w in module.named_parameters(recurse=False) if p.startswith("weight")}
-        target = QuadsTarget(name, module, weights, group, recipe.quantize_activations,
-                             recipe.activation_scaling, k_sharded)
+        target = QuadsTarget(name, module, weights, group, quantize_input,
+                             tensor_plan.activation_scaling.value, k_sharded)
         module._quads = target
         module.forward = types.MethodType(_quads_forward, module)
         return target
@@ -270,6 +281,11 @@ def quads_targets(model) -> dict:
 def quads_recipe(model):
     """The QuadsRecipe a model was converted with, or None."""
     return getattr(unwrap_model(model), "quads_recipe", None)
+
+
+def quads_plan(model):
+    """The QuantPlan a model was converted with, or None."""
+    return getattr(unwrap_model(model), "quads_plan", None)
 
 
 @torch.no_grad()

@@ -156,7 +156,7 @@ def fake_quantize_activation(x: torch.Tensor, scaling: str, group=None,
         if k_sharded:
             all_reduce_max(amax, group)
         return nvfp4.fake_quantize(x, per_row=True, amax=amax, check_finite=False)
-    if scaling == "per_tensor":
+    if scaling == "static":  # training has no calibration: the batch's per-tensor amax
         amax = all_reduce_max(nvfp4.amax_of(x.detach()).contiguous(), group)
         return nvfp4.fake_quantize(x, amax=amax, check_finite=False)
-    raise ValueError(f"unknown activation scaling {scaling!r}; expected 'per_token' or 'per_tensor'")
+    raise ValueError(f"unknown activation scaling {scaling!r}; expected 'per_token' or 'static'")

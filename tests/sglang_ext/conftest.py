@@ -55,5 +55,5 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture
 def no_quads_env(monkeypatch):
     """Tests parse checkpoints without the QUADS_* environment overrides."""
-    for var in ("QUADS_ACTIVATION_MODE", "QUADS_ACTIVATION_SCALING", "QUADS_RAC_NUM_CHANNELS"):
+    for var in ("QUADS_PRECISION", "QUADS_ACTIVATION_SCALING", "QUADS_RAC_CHANNELS"):
         monkeypatch.delenv(var, raising=False)

@@ -67,11 +67,11 @@ def init_ep(rank: int) -> None:
 
 
 def config(mode: str, scaling: str = "static"):
-    from sglang_ext.checkpoint_format import QuadsSettings
+    from quads_megatron.plan.rollout_schema import RolloutQuantConfig
     from sglang_ext.config import QuadsConfig
 
-    return QuadsConfig(QuadsSettings(activation_mode=mode, activation_scaling=scaling,
-                                     rac_num_channels=16 if mode == "w4a4_rac" else 0))
+    return QuadsConfig(RolloutQuantConfig(precision=mode, activation_scaling=scaling,
+                                     rac_channels=16 if mode == "w4a4_rac" else 0))
 
 
 def check_qkv(rank: int, x: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_ext.checkpoint_format import QuadsSettings, is_modelopt_nvfp4, parse_quantization_config
+from quads_megatron.plan.rollout_schema import RolloutQuantConfig, is_modelopt_nvfp4, parse_quantization_config
 
 MODELOPT_NESTED = {"producer": {"name": "modelopt"},
                    "quantization": {"quant_algo": "NVFP4", "group_size": 16,
@@ -12,7 +12,7 @@ MODELOPT_NESTED = {"producer": {"name": "modelopt"},
 
 
 def test_round_trip():
-    s = QuadsSettings(activation_mode="w4a4_rac", rac_num_channels=32, exclude_modules=["lm_head"])
+    s = RolloutQuantConfig(precision="w4a4_rac", rac_channels=32, exclude_modules=["lm_head"])
     qc = s.to_quantization_config()
     assert qc["quant_method"] == "quads" and qc["quant_algo"] == "NVFP4"
     assert parse_quantization_config(qc, env={}) == s
@@ -27,30 +27,34 @@ def test_round_trip():
 def test_modelopt_forms(cfg, mode):
     assert is_modelopt_nvfp4(cfg)
     s = parse_quantization_config(cfg, env={})
-    assert (s.source, s.activation_mode, s.activation_scaling, s.uses_rac) == \
+    assert (s.source, s.precision, s.activation_scaling, s.uses_rac) == \
         ("modelopt", mode, "static", False)
 
 
 def test_quads_block_of_hf_quant_config_wins_over_the_modelopt_summary():
-    qc = QuadsSettings(rac_num_channels=16, exclude_modules=["lm_head"]).to_quantization_config()
+    qc = RolloutQuantConfig(rac_channels=16, exclude_modules=["lm_head"]).to_quantization_config()
     s = parse_quantization_config({**MODELOPT_NESTED, "quads": qc}, env={})
-    assert (s.source, s.activation_mode, s.rac_num_channels) == ("quads", "w4a4_rac", 16)
+    assert (s.source, s.precision, s.rac_channels) == ("quads", "w4a4_rac", 16)
 
 
 def test_env_overrides_turn_rac_on_for_modelopt():
     s = parse_quantization_config(MODELOPT_NESTED, env={
-        "QUADS_ACTIVATION_MODE": "w4a4_rac", "QUADS_RAC_NUM_CHANNELS": "32",
+        "QUADS_PRECISION": "w4a4_rac", "QUADS_RAC_CHANNELS": "32",
         "QUADS_ACTIVATION_SCALING": "per_token"})
-    assert (s.activation_mode, s.rac_num_channels, s.activation_scaling) == ("w4a4_rac", 32, "per_token")
+    assert (s.precision, s.rac_channels, s.activation_scaling) == ("w4a4_rac", 32, "per_token")
     assert s.exclude_modules == ["lm_head"]
 
 
 @pytest.mark.parametrize("cfg,match", [
-    ({"quant_method": "quads", "activation_mode": "w8a8"}, "activation_mode"),
-    ({"quant_method": "quads", "activation_mode": "w4a4_rac", "rac_num_channels": 0}, "rac_num_channels > 0"),
-    ({"quant_method": "quads", "rac_num_channels": 20}, "multiple of 16"),
-    ({"quant_method": "quads", "group_size": 32}, "group_size"),
-    ({"quant_method": "quads", "activation_scaling": "per_channel"}, "activation_scaling"),
+    ({"quant_method": "quads", "precision": "w8a8"}, "precision"),
+    ({"quant_method": "quads", "precision": "w4a4_rac", "rac_channels": 0}, "rac_channels > 0"),
+    ({"quant_method": "quads", "precision": "w4a4_rac", "rac_channels": 20}, "multiple of 16"),
+    ({"quant_method": "quads", "precision": "w4a4", "group_size": 32}, "group_size"),
+    ({"quant_method": "quads", "precision": "w4a4", "activation_scaling": "per_channel"},
+     "activation_scaling"),
+    ({"quant_method": "quads"}, "without 'precision'"),
+    ({"quant_method": "quads", "precision": "w4a4", "activation_mod": "w4a4"}, "unknown quads keys"),
+    ({"quant_method": "quads", "precision": "bf16"}, "not a quantized checkpoint"),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, "ModelOpt NVFP4"),
     ({"quant_method": "awq"}, "expected quant_method 'quads'"),
 ])
@@ -60,6 +64,6 @@ def test_bad_configs_name_the_field(cfg, match):
 
 
 def test_bad_env_value():
-    with pytest.raises(ValueError, match="QUADS_RAC_NUM_CHANNELS"):
-        parse_quantization_config({"quant_method": "quads", "rac_num_channels": 16},
-                                  env={"QUADS_RAC_NUM_CHANNELS": "many"})
+    with pytest.raises(ValueError, match="QUADS_RAC_CHANNELS"):
+        parse_quantization_config({"quant_method": "quads", "precision": "w4a4_rac", "rac_channels": 16},
+                                  env={"QUADS_RAC_CHANNELS": "many"})

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear
-from sglang_ext.checkpoint_format import QuadsSettings
+from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
 pytestmark = pytest.mark.gpu
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 def _config():
     from sglang_ext.config import QuadsConfig
 
-    return QuadsConfig(QuadsSettings(activation_mode="w4a4_rac", activation_scaling="per_token",
-                                     rac_num_channels=16))
+    return QuadsConfig(RolloutQuantConfig(precision="w4a4_rac", activation_scaling="per_token",
+                                     rac_channels=16))
 
 
 def _capture(fn):

@@ -47,7 +47,7 @@ def _reference(x, topk, disk, settings, e):
         x, stack("weight", gu), stack("weight_scale", gu), per_expert("weight_scale_2", "gate_proj"),
         stack("weight", ["down_proj"]), stack("weight_scale", ["down_proj"]),
         per_expert("weight_scale_2", "down_proj"), topk.topk_weights, topk.topk_ids,
-        act_mode=settings.activation_mode,
+        act_mode=settings.precision.value,
         w13_comp_index=disk["experts.0.gate_proj.input_comp_index"] if rac else None,
         w2_comp_index=per_expert("input_comp_index", "down_proj") if rac else None,
         w13_input_scale=per_expert("input_scale", "gate_proj").max() if static else None,
@@ -89,6 +89,6 @@ def test_exported_experts_load_and_match_reference(sglang_runtime, checkpoints, 
     logits = torch.randn(7, e, generator=g)
     w, ids = torch.topk(torch.softmax(logits, -1), topk_n, dim=-1)
     topk = StandardTopKOutput(w / w.sum(-1, keepdim=True), ids.to(torch.int32), logits)
-    want = _reference(x, topk, disk, qc.settings, e)
+    want = _reference(x, topk, disk, qc.rollout, e)
     torch.testing.assert_close(layer(x, topk), want, rtol=0, atol=0)
-    assert qc.settings.uses_rac == (kind == "quads")
+    assert qc.rollout.uses_rac == (kind == "quads")

@@ -14,7 +14,7 @@ import torch
 from sglang_fixtures import comp_index, input_scale, nvfp4_linear
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
-from sglang_ext.checkpoint_format import QuadsSettings
+from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from sglang_ext.kernels import reference
 
 K = 64
@@ -31,8 +31,8 @@ def triton_kernels_on_cpu(monkeypatch):
 def _config(mode: str, scaling: str, k: int = 16):
     from sglang_ext.config import QuadsConfig
 
-    return QuadsConfig(QuadsSettings(activation_mode=mode, activation_scaling=scaling,
-                                     rac_num_channels=k if mode == "w4a4_rac" else 0))
+    return QuadsConfig(RolloutQuantConfig(precision=mode, activation_scaling=scaling,
+                                     rac_channels=k if mode == "w4a4_rac" else 0))
 
 
 def _shard_tensors(n: int, seed: int, rac_k: int = 16) -> dict:
@@ -56,14 +56,14 @@ def _load(layer, tensors: dict, shard_id=None) -> None:
 
 def _expected(x, shards, cfg) -> torch.Tensor:
     """The kernel reference run on each checkpoint matrix separately, concatenated."""
-    s = cfg.settings
+    s = cfg.rollout
     outs = []
     static = None
     if s.static_activation_scale:
         static = torch.stack([t["input_scale"] for t in shards]).max()
     for t in shards:
         outs.append(reference.w4a4_linear(
-            x, t["weight"], t["weight_scale"], t["weight_scale_2"], act_mode=s.activation_mode,
+            x, t["weight"], t["weight_scale"], t["weight_scale_2"], act_mode=s.precision,
             comp_index=t["input_comp_index"] if s.uses_rac else None, input_scale=static))
     return torch.cat(outs, dim=-1)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear
-from sglang_ext.checkpoint_format import QuadsSettings
+from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from sglang_ext.kernels import reference
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
@@ -28,8 +28,8 @@ def triton_kernels_on_cpu(monkeypatch):
 def _config(mode: str, scaling: str):
     from sglang_ext.config import QuadsConfig
 
-    return QuadsConfig(QuadsSettings(activation_mode=mode, activation_scaling=scaling,
-                                     rac_num_channels=RAC_K if mode == "w4a4_rac" else 0))
+    return QuadsConfig(RolloutQuantConfig(precision=mode, activation_scaling=scaling,
+                                     rac_channels=RAC_K if mode == "w4a4_rac" else 0))
 
 
 def _expert_checkpoint(seed: int) -> dict:
@@ -74,7 +74,7 @@ def _stack(ckpt: dict, key: str, projs) -> torch.Tensor:
 
 def _expected(x, topk_w, topk_ids, ckpt, cfg) -> torch.Tensor:
     """The kernel reference on tensors stacked straight from the checkpoint dict."""
-    s = cfg.settings
+    s = cfg.rollout
     gu = ("gate_proj", "up_proj")
     static = s.static_activation_scale
     w2_scales = torch.stack([ckpt[f"experts.{e}.down_proj.input_scale"] for e in range(E)])
@@ -83,7 +83,7 @@ def _expected(x, topk_w, topk_ids, ckpt, cfg) -> torch.Tensor:
         torch.stack([ckpt[f"experts.{e}.gate_proj.weight_scale_2"] for e in range(E)]),
         _stack(ckpt, "weight", ["down_proj"]), _stack(ckpt, "weight_scale", ["down_proj"]),
         torch.stack([ckpt[f"experts.{e}.down_proj.weight_scale_2"] for e in range(E)]),
-        topk_w, topk_ids, act_mode=s.activation_mode,
+        topk_w, topk_ids, act_mode=s.precision,
         w13_comp_index=ckpt["experts.0.gate_proj.input_comp_index"] if s.uses_rac else None,
         w2_comp_index=torch.stack([ckpt[f"experts.{e}.down_proj.input_comp_index"]
                                    for e in range(E)]) if s.uses_rac else None,

@@ -100,15 +100,15 @@ def test_model_config_chooses_quads(sglang_runtime, checkpoints, no_quads_env, k
 
     method, qc = _model_config(checkpoints[kind], flag)
     assert method == want_method
-    assert isinstance(qc, QuadsConfig) and qc.settings.source == want_source
+    assert isinstance(qc, QuadsConfig) and qc.rollout.source == want_source
     # the exporter quantizes the routed experts only: attention, router and lm_head stay BF16
     for prefix in ("lm_head", "model.layers.0.mlp.gate", "model.layers.0.self_attn.qkv_proj"):
         assert qc.is_excluded(prefix), prefix
     assert not qc.is_layer_excluded("model.layers.0.mlp.experts")
     if want_source == "modelopt":
-        assert (qc.settings.activation_mode, qc.settings.activation_scaling) == ("w4a4", "static")
+        assert (qc.rollout.precision, qc.rollout.activation_scaling) == ("w4a4", "static")
     else:
-        assert qc.settings.activation_mode == "w4a4_rac" and qc.settings.rac_num_channels == 16
+        assert qc.rollout.precision == "w4a4_rac" and qc.rollout.rac_channels == 16
 
 
 def test_modelopt_checkpoint_without_flag_stays_modelopt(sglang_runtime, checkpoints):
