@@ -48,7 +48,7 @@ def main():
         if s is None:
             print(f"| {prec} | | {wall:.0f} | failed | | |")
             continue
-        print(f"| {prec} | {s['quads_train']} | {wall:.0f} | {f(s['reward_before'])} -> {f(s['reward_after'])} | "
+        print(f"| {prec} | {s['train_precision']} | {wall:.0f} | {f(s['reward_before'])} -> {f(s['reward_after'])} | "
               f"{f(s['pass@1_before'])} -> {f(s['pass@1_after'])} | {f(s['mean_logprob_abs_diff'])} |")
 
 

@@ -121,7 +121,9 @@ def hf_qwen3_moe_config_dict(config, vocab_size: int, max_seq_len: int,
         mlp_only_layers=[],
         num_experts=config.num_moe_experts,
         num_experts_per_tok=config.moe_router_topk,
-        norm_topk_prob=True,
+        # Megatron's top-k-then-softmax renormalises (HF norm_topk_prob=True); pre_softmax keeps
+        # the softmax over all experts (norm_topk_prob=False), as convert.qwen3_moe maps it.
+        norm_topk_prob=not config.moe_router_pre_softmax,
         router_aux_loss_coef=float(config.moe_aux_loss_coeff),
         initializer_range=config.init_method_std,
         dtype="bfloat16",

@@ -10,7 +10,7 @@ from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 
 @pytest.mark.gpu
 def test_cuda_export_is_bitwise_the_cpu_export(tiny_hf, tmp_path):
-    base = ["--load-dir", str(tiny_hf), "--activation-mode", "w4a16", "--no-progress"]
+    base = ["--load-dir", str(tiny_hf), "--rollout-precision", "w4a16", "--no-progress"]
     rollout_export.main(base + ["--save-dir", str(tmp_path / "cpu")])
     rollout_export.main(base + ["--save-dir", str(tmp_path / "cuda"), "--device", "cuda"])
     assert_same_checkpoint(tmp_path / "cpu", tmp_path / "cuda")

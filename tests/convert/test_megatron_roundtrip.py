@@ -145,7 +145,7 @@ def test_trainer_checkpoint_to_hf_to_rollout_keeps_the_recipe(tiny_hf, tp1_megat
     assert_same_checkpoint(tiny_hf, tmp_path / "hf")
     assert QuadsRecipe.from_json((tmp_path / "hf" / "quads_recipe.json").read_text()) == recipe
     rollout_export.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "rollout"),
-                         "--activation-mode", "w4a16", "--no-progress"])
+                         "--rollout-precision", "w4a16", "--no-progress"])
     qc = json.loads((tmp_path / "rollout" / "config.json").read_text())["quantization_config"]
     assert "model.layers.1.mlp.experts*" in qc["exclude_modules"] and qc["recipe"] == recipe.to_dict()
 

@@ -93,7 +93,7 @@ def test_existing_output_is_refused_without_force(tiny_hf, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep").write_text("x")
-    argv = ["--load-dir", str(tiny_hf), "--save-dir", str(out), "--activation-mode", "w4a16", "--no-progress"]
+    argv = ["--load-dir", str(tiny_hf), "--save-dir", str(out), "--rollout-precision", "w4a16", "--no-progress"]
     assert cli.run(rollout_export.main, argv) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
     assert cli.run(rollout_export.main, argv + ["--force"]) == 0
@@ -112,7 +112,7 @@ def test_interrupted_export_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
             yield item
 
     monkeypatch.setattr(rollout_export, "rollout_tensors", dies_halfway)
-    argv = ["--load-dir", str(tiny_hf), "--save-dir", str(out), "--activation-mode", "w4a16", "--no-progress"]
+    argv = ["--load-dir", str(tiny_hf), "--save-dir", str(out), "--rollout-precision", "w4a16", "--no-progress"]
     with pytest.raises(KeyboardInterrupt):
         rollout_export.main(argv)
     assert list(tmp_path.iterdir()) == []

@@ -35,62 +35,71 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 class LocalEngine(RolloutEngine):
     """Batched sampling on a transformers Qwen3MoeForCausalLM whose experts run the chosen precision."""
 
-    def __init__(self, hf_config, precision: str = "bf16", max_seq_len: int = 64, dtype: torch.dtype | None = None,
-                 pad_token_id: int = 0, quant_options: dict | None = None):
+    def __init__(self, hf_config, plan, max_seq_len: int = 64, dtype: torch.dtype | None = None,
+                 pad_token_id: int = 0, device: torch.device | str | None = None):
+        """plan: the run's QuantPlan (which layers are NVFP4 and how; the trainer's and exporter's plan)."""
         from transformers import AutoModelForCausalLM
 
-        from .precision import PRECISIONS
+        from .precision import install_nvfp4_modules
 
-        if precision not in PRECISIONS:
-            raise ValueError(f"--rollout-precision {precision!r}: expected one of {sorted(PRECISIONS)}")
-        self.precision = precision
+        self.plan = plan
+        self.precision = plan.rollout_precision
         self.max_seq_len = max_seq_len
         self.pad_token_id = pad_token_id
-        self.quant_options = dict(quant_options or {})
+        device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
         cfg = hf_config
         if hasattr(cfg, "_experts_implementation"):
             cfg._experts_implementation = "eager"
-        cfg._attn_implementation = "eager" if not torch.cuda.is_available() else "sdpa"
-        self.dtype = dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        cfg._attn_implementation = "eager" if device.type == "cpu" else "sdpa"
+        self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        with torch.device(device):
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
         self.model.eval().requires_grad_(False)
-        self.device = next(self.model.parameters()).device
-        self._quantized = None  # precision.QuantizedExperts handles, built after each weight update
+        self.device = device
+        self.nvfp4_modules = install_nvfp4_modules(self.model, plan)
+        self._loaded = False
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (per-expert or fused expert names), then re-quantize for the precision."""
-        from .precision import apply_precision, restore_bf16_experts
+        """Load HF-named high-precision tensors; the plan's NVFP4 weights are quantized and written in place."""
+        from quads_megatron.plan import quantize_scale_groups
 
-        restore_bf16_experts(self.model)
+        from .precision import load_quantized
+
         params = dict(self.model.named_parameters())
+        for m in self.nvfp4_modules.values():
+            m.meter.__init__()
         seen = set()
-        for name, t in named_tensors:
-            m = _EXPERT_RE.match(name)
-            if m:
-                pre, e, proj = m["pre"], int(m["e"]), m["proj"]
-                if proj == "down_proj":
-                    key = f"{pre}.down_proj"
-                    dst = self._param(params, key, name)[e]
+        for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan):
+            for i, (name, t) in enumerate(zip(names, tensors)):
+                if quantized is not None:
+                    load_quantized(self.nvfp4_modules, name, t, quantized[i].to(self.device))
                 else:
-                    key = f"{pre}.gate_up_proj"
-                    full = self._param(params, key, name)
-                    f = full.shape[1] // 2
-                    dst = full[e, :f] if proj == "gate_proj" else full[e, f:]
-            else:
-                key = name
-                dst = self._param(params, key, name)
-            if tuple(dst.shape) != tuple(t.shape):
-                raise ValueError(f"weight sync: {name} has shape {tuple(t.shape)}, the rollout model expects {tuple(dst.shape)}")
-            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
-            seen.add(name)
+                    dst = self._destination(params, name)
+                    if tuple(dst.shape) != tuple(t.shape):
+                        raise ValueError(f"weight sync: {name} has shape {tuple(t.shape)}, the rollout model "
+                                         f"expects {tuple(dst.shape)}")
+                    dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+                seen.add(name)
         if not seen:
             raise ValueError("weight sync: no tensors received")
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
-        self._quantized = apply_precision(self.model, self.precision, **self.quant_options)
+        self._loaded = True
+
+    def _destination(self, params: dict, name: str) -> torch.Tensor:
+        """The HF model parameter (or the slice of a fused expert parameter) that ``name`` fills."""
+        m = _EXPERT_RE.match(name)
+        if not m:
+            return self._param(params, name, name)
+        pre, e, proj = m["pre"], int(m["e"]), m["proj"]
+        if proj == "down_proj":
+            return self._param(params, f"{pre}.down_proj", name)[e]
+        full = self._param(params, f"{pre}.gate_up_proj", name)
+        f = full.shape[1] // 2
+        return full[e, :f] if proj == "gate_proj" else full[e, f:]
 
     @staticmethod
     def _param(params: dict, key: str, src: str) -> torch.Tensor:
@@ -99,16 +108,15 @@ class LocalEngine(RolloutEngine):
         return params[key].data
 
     def calibrate(self, prompts: list[list[int]]) -> None:
-        """Pick RAC channels (used by quads) and measure activation errors from these prompts' activations."""
-        from .precision import calibrate_rac
+        """Pick RAC channels and static input scales (as the plan asks) from these prompts' activations."""
+        from .precision import calibrate
 
-        if self.precision != "bf16":
-            calibrate_rac(self.model, self._quantized, lambda: self._forward_full(prompts), **self.quant_options)
+        calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts))
 
     def quant_error_report(self) -> dict[str, float]:
         from .precision import error_report
 
-        return error_report(self._quantized)
+        return error_report(self.nvfp4_modules)
 
     # ------------------------------------------------------------------ generation
     def _left_pad(self, prompts: list[list[int]]):
@@ -127,23 +135,11 @@ class LocalEngine(RolloutEngine):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
 
     @torch.no_grad()
-    def score(self, sequences: list[list[int]], n_prompt: list[int]) -> list[list[float]]:
-        """Log-probs (temperature 1) of each sequence's tokens after its first n_prompt tokens, one forward."""
-        logits = self._forward_full(sequences)
-        P = logits.shape[1]
-        out = []
-        for i, (s, n) in enumerate(zip(sequences, n_prompt)):
-            off = P - len(s)
-            lp = torch.log_softmax(logits[i, off + n - 1: off + len(s) - 1].float(), -1)
-            out.append(lp.gather(-1, torch.tensor(s[n:], device=lp.device)[:, None]).squeeze(-1).tolist())
-        return out
-
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
         from transformers import DynamicCache
 
         params.validate()
-        if self._quantized is None:
+        if not self._loaded:
             raise RuntimeError("LocalEngine.generate before update_weights: sync the trainer's weights first")
         check_prompt_lengths(prompts, params.max_new_tokens, self.max_seq_len)
         gen = torch.Generator(device=self.device).manual_seed(seed)

@@ -8,18 +8,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from .sglang_http import SGLangError
 
 
-def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike, rac_channels: int,
+def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike,
                               calib_prompts: list[str] | None = None) -> Path:
     """Write the live model as an HF checkpoint, then the QUADS NVFP4 rollout checkpoint of it (collective).
 
-    Every rank runs the weight gather; rank 0 writes `out_dir/hf` and `out_dir/rollout`. RAC channels
-    and activation scales are calibrated on calib_prompts (the task's prompts), else random tokens.
+    Every rank runs the weight gather; rank 0 writes `out_dir/hf` (in the trainer's dtype, so the
+    exported NVFP4 bytes are the trainer's) and `out_dir/rollout` with the run's recipe (rollout
+    precision, scaling, RAC channels). RAC channels and activation scales are calibrated on
+    calib_prompts (the task's prompts), else random tokens.
     """
     from safetensors.torch import save_file
 
@@ -28,7 +29,7 @@ def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike, rac
     tensors = {}
     for name, t in policy.hf_weights():
         if rank0:
-            tensors[name] = t.detach().to(torch.bfloat16).cpu().contiguous()
+            tensors[name] = t.detach().cpu().contiguous()
     if rank0:
         hf = out / "hf"
         hf.mkdir(parents=True, exist_ok=True)
@@ -38,12 +39,11 @@ def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike, rac
                                                                 tokenizer.pad_token_id)
         cfg.save_pretrained(hf)
         tokenizer.save_pretrained(hf)
-        if policy.recipe is not None:
-            (hf / "quads_recipe.json").write_text(policy.recipe.to_json())
+        (hf / "quads_recipe.json").write_text(policy.recipe.to_json())
         from quads_megatron.convert import rollout_export
 
         argv = ["--load-dir", str(hf), "--save-dir", str(out / "rollout"), "--format", "quads",
-                "--rac-channels", str(rac_channels), "--force", "--no-progress"]
+                "--force", "--no-progress"]
         if calib_prompts:
             (out / "calib.txt").write_text("\n".join(p.replace("\n", " ") for p in calib_prompts) + "\n")
             argv += ["--calib-data", str(out / "calib.txt"), "--calib-size", str(len(calib_prompts)),
