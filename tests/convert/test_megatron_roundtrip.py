@@ -12,7 +12,8 @@ import torch
 from convert_fixtures import assert_same_checkpoint
 from quads_megatron.convert import hf_to_megatron, megatron_to_hf, qwen3_moe
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint
-from quads_megatron.convert.nvfp4_export import quantize_expert_linear
+from quads_megatron.plan import QuantPlan, quantize_named_params
+from quads_megatron.recipe import QuadsRecipe
 
 # fp32 on both sides; measured max |diff| ~1e-6 on logits of magnitude ~1.5 (summation order only).
 LOGITS_ATOL = 1e-5
@@ -98,7 +99,8 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     logits = torch.load(tmp_path / "logits_tp2ep2.pt")[..., : config["vocab_size"]]
     torch.testing.assert_close(logits, _hf_logits(tiny_hf, ids), rtol=0, atol=LOGITS_ATOL)
 
-    assert torch.load(tmp_path / "fake_quant_mismatches.pt") == [[], []]
+    mismatches = torch.load(tmp_path / "plan_mismatches.pt")
+    assert mismatches == {k: [[], []] for k in mismatches} and len(mismatches) >= 6
     rank0, rank1 = torch.load(tmp_path / "local_expert_names.pt")   # EP=2: experts 0-1 on rank 0, 2-3 on rank 1
     assert rank0 and not set(rank0) & set(rank1)
     assert sorted(rank0 + rank1) == sorted(n for n in HFCheckpoint(tiny_hf).keys() if ".experts." in n)
@@ -106,12 +108,10 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     # Already-quantized weight sync from the sharded model == offline quantization of the HF weights.
     live = torch.load(tmp_path / "live_nvfp4.pt")
     dims = qwen3_moe.dims_from_hf_config(config)
-    expected = {}
+    plan = QuantPlan.resolve(QuadsRecipe(), dims)
     with HFCheckpoint(tiny_hf) as ckpt:
-        for rule, layer, expert in qwen3_moe.iter_rule_instances(dims):
-            if rule.expert:
-                names = qwen3_moe.hf_names(rule, layer, expert)
-                expected.update(quantize_expert_linear(names, [ckpt.get(n).float() for n in names]))
+        expected = {n: t for n, t in quantize_named_params(((n, ckpt.get(n).float()) for n in ckpt.keys()), plan)
+                    if ".experts." in n}
     assert live.keys() == expected.keys()
     for name, t in expected.items():
         assert live[name].dtype == t.dtype and torch.equal(_bits(live[name]), _bits(t)), name
