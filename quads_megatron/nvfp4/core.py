@@ -19,17 +19,19 @@ NVIDIA ModelOpt's `NVFP4QTensor` computes the same quantity in another order
 (weight_scale_2 = amax / 2688, scaled = x / (sf * weight_scale_2)) and stores 0x38 for an
 all-zero block; it agrees with this code except at exact E4M3 / E2M1 ties (tested).
 
-On CUDA with Triton, 1x16 quantization runs the kernels of `triton_kernels`, which are
-tested bit-identical to the torch code here.
+Backends (`backend.resolve_backend`: the `backend=` argument, else QUADS_BACKEND, else Triton
+on CUDA and torch on CPU): "triton" runs the kernels of `triton_kernels` (on CPU tensors in
+Triton's interpreter), which are tested bit-identical to the torch code here; "torch" runs
+the torch code. 16x16 blocks have only the torch code and run it on either backend.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from .backend import resolve_backend
 from .format import (BLOCK_SIZE, E2M1_BOUNDS_GE, E2M1_BOUNDS_GT, E4M3_MAX, FLT_MAX, FP4_MAX,
                      GLOBAL_SCALE_NUMERATOR, e2m1_table)
 from .tensor import NVFP4Tensor
@@ -40,8 +42,20 @@ _BLOCK_SHAPES = ((1, BLOCK_SIZE), (BLOCK_SIZE, BLOCK_SIZE))
 
 
 # --- scales ------------------------------------------------------------------------------
-def amax_of(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-    """max|x| in fp32: a scalar, or `[..., 1]` per row of the last dimension."""
+def amax_of(x: torch.Tensor, per_row: bool = False, *,
+            backend: Optional[str] = None) -> torch.Tensor:
+    """max|x| in fp32: a scalar, or `[..., 1]` per row of the last dimension.
+
+    backend: "triton" | "torch" | None (`resolve_backend`); Triton reads float tensors once
+    with one kernel (other dtypes, and empty tensors, take the torch code)."""
+    if x.dtype in _FLOAT_DTYPES and x.numel() and resolve_backend(x, backend) == "triton":
+        from . import triton_kernels
+
+        return triton_kernels.amax(x, per_row)
+    return _amax_torch(x, per_row)
+
+
+def _amax_torch(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     if per_row:
         return x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     return x.abs().amax().to(torch.float32)
@@ -93,14 +107,15 @@ def _check_input(x: torch.Tensor, block_shape: BlockShape, per_row: bool, check_
     return block_shape
 
 
-def _resolve_amax(x: torch.Tensor, per_row: bool, amax, triton_ok: bool = False) -> torch.Tensor:
+def _resolve_amax(x: torch.Tensor, per_row: bool, amax, backend: str) -> torch.Tensor:
+    """The amax to quantize with (x's own, computed on the resolved `backend`, or the given one)."""
     row_shape = (*x.shape[:-1], 1)
     if amax is None:
-        if triton_ok:
+        if backend == "triton":
             from . import triton_kernels
 
             return triton_kernels.amax(x, per_row)
-        return amax_of(x, per_row)
+        return _amax_torch(x, per_row)
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise ValueError(f"amax must be finite and >= 0, got {amax}")
@@ -181,50 +196,53 @@ def dequantize_reference(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.T
 
 
 # --- backend choice ----------------------------------------------------------------------
-def _use_triton(x: torch.Tensor, block_shape: tuple) -> bool:
-    """Triton kernels on CUDA tensors (1x16 blocks); QUADS_NVFP4_BACKEND=torch forces torch."""
-    if not x.is_cuda or block_shape != (1, BLOCK_SIZE):
-        return False
-    if os.environ.get("QUADS_NVFP4_BACKEND", "auto") == "torch":
-        return False
-    from . import triton_kernels
-
-    return triton_kernels.available()
+def _kernel_backend(x: torch.Tensor, block_shape: tuple, backend: Optional[str]) -> str:
+    """The one backend resolution of a public call; 16x16 blocks have only the torch code."""
+    name = resolve_backend(x, backend)
+    return name if tuple(block_shape) == (1, BLOCK_SIZE) else "torch"
 
 
-# --- public API --------------------------------------------------------------------------
-def quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE), per_row: bool = False,
-             amax: Optional[Union[torch.Tensor, float]] = None,
-             check_finite: bool = True) -> NVFP4Tensor:
-    """Quantize `x` (last dim a multiple of 16) to NVFP4, bit-exact with TE's reference.
-
-    per_row: one global scale per row (per-token activations); amax: use this amax
-    (e.g. all-reduced across TP ranks, or shared by gate and up) instead of x's own.
-    check_finite=False skips the NaN/Inf check (a host sync) on hot paths.
-    """
-    block_shape = _check_input(x, block_shape, per_row, check_finite)
-    use_triton = _use_triton(x, block_shape)
-    s_enc = global_encode_scale(_resolve_amax(x, per_row, amax, use_triton))
+def _quantize(x: torch.Tensor, block_shape: tuple, per_row: bool, amax, backend: str):
+    """(data, scale, S_enc, S_dec) on the resolved backend."""
+    s_enc = global_encode_scale(_resolve_amax(x, per_row, amax, backend))
     s_dec = torch.div(1.0, s_enc)
-    if use_triton:
+    if backend == "triton":
         from . import triton_kernels
 
         data, scale = triton_kernels.quantize(x, s_enc, s_dec)
     else:
         data, scale = quantize_reference(x, s_enc, s_dec, block_shape)
+    return data, scale, s_enc, s_dec
+
+
+# --- public API --------------------------------------------------------------------------
+def quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE), per_row: bool = False,
+             amax: Optional[Union[torch.Tensor, float]] = None,
+             check_finite: bool = True, backend: Optional[str] = None) -> NVFP4Tensor:
+    """Quantize `x` (last dim a multiple of 16) to NVFP4, bit-exact with TE's reference.
+
+    per_row: one global scale per row (per-token activations); amax: use this amax
+    (e.g. all-reduced across TP ranks, or shared by gate and up) instead of x's own.
+    check_finite=False skips the NaN/Inf check (a host sync) on hot paths.
+    backend: "triton" | "torch" | None (`resolve_backend`: QUADS_BACKEND, else by device).
+    """
+    block_shape = _check_input(x, block_shape, per_row, check_finite)
+    name = _kernel_backend(x, block_shape, backend)
+    data, scale, _, s_dec = _quantize(x, block_shape, per_row, amax, name)
     return NVFP4Tensor(data, scale, s_dec, x.shape, block_shape)
 
 
-def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Decode an `NVFP4Tensor` to `dtype` (x_hat = e2m1 * sf * S_dec in fp32, then cast)."""
+def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """Decode an `NVFP4Tensor` to `dtype` (x_hat = e2m1 * sf * S_dec in fp32, then cast).
+
+    backend: "triton" | "torch" | None (`resolve_backend`)."""
     if not isinstance(q, NVFP4Tensor):
         raise ValueError(f"dequantize expects an NVFP4Tensor, got {type(q).__name__}")
-    if q.data.is_cuda and q.block_shape == (1, BLOCK_SIZE) and \
-            os.environ.get("QUADS_NVFP4_BACKEND", "auto") != "torch":
+    if _kernel_backend(q.data, q.block_shape, backend) == "triton":
         from . import triton_kernels
 
-        if triton_kernels.available():
-            return triton_kernels.dequantize(q.data, q.scale, q.global_scale, dtype).view(q.shape)
+        return triton_kernels.dequantize(q.data, q.scale, q.global_scale, dtype).view(q.shape)
     return dequantize_reference(q.data, q.scale, q.global_scale, dtype).view(q.shape)
 
 
@@ -232,34 +250,36 @@ class _FakeQuantize(torch.autograd.Function):
     """Forward: dequantize(quantize(x)); backward: identity (straight-through estimator)."""
 
     @staticmethod
-    def forward(ctx, x, block_shape, per_row, amax, check_finite):
-        if _use_triton(x, tuple(block_shape)):
+    def forward(ctx, x, block_shape, per_row, amax, check_finite, backend):
+        block_shape = _check_input(x, block_shape, per_row, check_finite)
+        name = _kernel_backend(x, block_shape, backend)
+        if name == "triton":
             from . import triton_kernels
 
-            _check_input(x, block_shape, per_row, check_finite)
-            s_enc = global_encode_scale(_resolve_amax(x, per_row, amax, True))
+            s_enc = global_encode_scale(_resolve_amax(x, per_row, amax, name))
             return triton_kernels.fake_quantize(x, s_enc, torch.div(1.0, s_enc))
-        q = quantize(x, block_shape=block_shape, per_row=per_row, amax=amax,
-                     check_finite=check_finite)
-        return dequantize(q, x.dtype)
+        data, scale, _, s_dec = _quantize(x, block_shape, per_row, amax, name)
+        return dequantize_reference(data, scale, s_dec, x.dtype).view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out, None, None, None, None
+        return grad_out, None, None, None, None, None
 
 
 def fake_quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE),
                   per_row: bool = False, amax: Optional[Union[torch.Tensor, float]] = None,
-                  check_finite: bool = True) -> torch.Tensor:
-    """x -> dequantize(quantize(x)) in x's dtype, with a straight-through gradient."""
+                  check_finite: bool = True, backend: Optional[str] = None) -> torch.Tensor:
+    """x -> dequantize(quantize(x)) in x's dtype, with a straight-through gradient.
+
+    backend: "triton" | "torch" | None (`resolve_backend`); Triton runs one fused kernel."""
     if isinstance(amax, torch.Tensor):
         amax = amax.detach()
-    return _FakeQuantize.apply(x, tuple(block_shape), per_row, amax, check_finite)
+    return _FakeQuantize.apply(x, tuple(block_shape), per_row, amax, check_finite, backend)
 
 
-def shared_amax(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+def shared_amax(tensors: Iterable[torch.Tensor], *, backend: Optional[str] = None) -> torch.Tensor:
     """One amax for several tensors (the max of theirs): gate and up of one expert."""
-    return torch.stack([amax_of(t) for t in tensors]).amax()
+    return torch.stack([amax_of(t, backend=backend) for t in tensors]).amax()
 
 
 def quantize_with_shared_scale(tensors: Sequence[torch.Tensor], **opts) -> List[NVFP4Tensor]:
@@ -267,5 +287,5 @@ def quantize_with_shared_scale(tensors: Sequence[torch.Tensor], **opts) -> List[
     if "amax" in opts or opts.get("per_row"):
         raise ValueError("quantize_with_shared_scale computes the shared amax itself; "
                          "per_row is not meaningful for a shared per-tensor scale")
-    amax = shared_amax(tensors)
+    amax = shared_amax(tensors, backend=opts.get("backend"))
     return [quantize(t, amax=amax, **opts) for t in tensors]

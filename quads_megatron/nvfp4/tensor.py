@@ -28,11 +28,11 @@ class NVFP4Tensor:
     shape: torch.Size
     block_shape: tuple = (1, BLOCK_SIZE)
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Decode to `dtype` (see `quads_megatron.nvfp4.dequantize`)."""
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16, *, backend=None) -> torch.Tensor:
+        """Decode to `dtype` (see `quads_megatron.nvfp4.dequantize`; same `backend`)."""
         from .core import dequantize
 
-        return dequantize(self, dtype)
+        return dequantize(self, dtype, backend=backend)
 
     # --- ModelOpt / SGLang / vLLM checkpoint view -------------------------------------
     @property

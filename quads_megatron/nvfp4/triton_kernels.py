@@ -1,4 +1,4 @@
-"""Triton kernels and device helpers for NVFP4 (1x16 blocks), bit-identical to `quantize.py`.
+"""Triton kernels and device helpers for NVFP4 (1x16 blocks), bit-identical to the torch code of `core.py`.
 
 The `@triton.jit` helpers (`e2m1_encode`, `e2m1_decode`, `e4m3_encode`, `e4m3_decode`,
 `bf16_round`) are the only NVFP4 encode/decode code in Triton: the rollout GEMMs import
@@ -24,6 +24,12 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 def available() -> bool:
     """True when Triton can be imported (kernels need a CUDA device or TRITON_INTERPRET=1)."""
     return triton is not None
+
+
+def interpreting() -> bool:
+    """True when our kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 was
+    set when this module was imported); only then can they run on CPU tensors."""
+    return triton is not None and type(_quantize_kernel).__name__ == "InterpretedFunction"
 
 
 def _require_triton():

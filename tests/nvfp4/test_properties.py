@@ -90,12 +90,16 @@ def test_power_of_two_scale_invariance(x, k, per_row):
 
 
 @settings(max_examples=200, deadline=None)
-@given(tensors())
-def test_fake_quantize_is_dequantize_of_quantize_with_identity_gradient(x):
+@given(tensors(), st.booleans())
+def test_fake_quantize_is_dequantize_of_quantize_with_identity_gradient(x, per_row):
+    """The fused Triton fake-quantize kernel (CPU interpreter here; tests/conftest.py turns it
+    on without a GPU) against the torch reference's dequantize(quantize(x)), and its STE."""
     x = x.clone().requires_grad_(True)
-    y = nvfp4.fake_quantize(x)
+    y = nvfp4.fake_quantize(x, per_row=per_row, backend="triton")
     assert y.dtype == x.dtype and y.shape == x.shape
-    assert torch.equal(y.detach(), nvfp4.dequantize(nvfp4.quantize(x.detach()), x.dtype))
+    ref = nvfp4.dequantize(nvfp4.quantize(x.detach(), per_row=per_row, backend="torch"), x.dtype,
+                           backend="torch")
+    assert torch.equal(y.detach(), ref)
     g = torch.randn_like(y)
     y.backward(g)
     assert torch.equal(x.grad, g)
