@@ -4,7 +4,9 @@ A checkpoint saved here is ``{"model": model.sharded_state_dict(), "hf_config": 
 the sharded tensors under Megatron's global keys (readable by any TP/EP layout, and by
 Megatron-LM's own loader) plus the HF config in the common state, so Megatron -> HF needs no
 side files.  Megatron-LM training directories (``latest_checkpointed_iteration.txt`` +
-``iter_NNNNNNN/``) are resolved to their latest iteration.
+``iter_NNNNNNN/``, e.g. a GRPO ``--save`` directory) are resolved to their latest iteration.
+The reading side is ``quads_megatron.megatron.checkpoint``'s (one path for trainer and converters);
+this module turns its errors into ``CheckpointError``.
 """
 
 import json
@@ -18,8 +20,7 @@ from quads_megatron.convert import qwen3_moe
 from quads_megatron.convert.errors import CheckpointError
 from quads_megatron.convert.megatron_params import padded_vocab_size
 from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir, make_temp_dir
-
-HF_CONFIG_KEY = "hf_config"
+from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY
 
 
 def build_model_from_hf_config(hf_config: dict, *, tp: int = 1, ep: int = 1, etp=None, spec: str = "local",
@@ -83,34 +84,48 @@ def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = F
 
 def resolve_checkpoint_dir(path) -> Path:
     """The torch_dist directory itself, or the latest ``iter_*`` of a Megatron-LM save directory."""
-    from megatron.core import dist_checkpointing
+    from quads_megatron.megatron import checkpoint as mckpt
 
-    path = Path(path)
-    if not path.is_dir():
+    if not Path(path).is_dir():
         raise CheckpointError(f"Megatron checkpoint directory not found: {path}")
-    tracker = path / "latest_checkpointed_iteration.txt"
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        path = path / ("release" if text == "release" else f"iter_{int(text):07d}")
-    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
-        raise CheckpointError(f"{path}: not a Megatron dist_checkpointing checkpoint (no valid metadata.json)")
-    return path
+    try:
+        return mckpt.resolve_checkpoint_dir(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
 
 
 def read_common_state(ckpt_dir) -> dict:
-    """The non-sharded (rank-0) objects of a checkpoint: ``hf_config`` (ours), ``quads_recipe`` (trainer's)."""
-    from megatron.core import dist_checkpointing
+    """The non-sharded (rank-0) objects of a checkpoint: ``hf_config``, ``quads_recipe`` (trainer's), loop state."""
+    from quads_megatron.megatron import checkpoint as mckpt
 
-    return dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(ckpt_dir)))
+    return mckpt.load_common_state(resolve_checkpoint_dir(ckpt_dir))
+
+
+def hf_side_dir(load_dir) -> Path | None:
+    """The HF side of a trainer save directory (``{save}/hf``: config.json + tokenizer, written by the GRPO
+    loop), for ``load_dir`` = the save directory or one of its ``iter_*``; None when there is none."""
+    load_dir = Path(load_dir)
+    save_dir = load_dir.parent if load_dir.name.startswith("iter_") or load_dir.name == "release" else load_dir
+    return save_dir / "hf" if (save_dir / "hf" / "config.json").is_file() else None
 
 
 def read_hf_config(ckpt_dir) -> dict:
-    """The HF config.json stored in a checkpoint written by ``save_megatron_checkpoint``."""
+    """The HF config.json stored in a checkpoint (``save_megatron_checkpoint``, the GRPO loop), else the one
+    in the save directory's ``hf/``."""
     common = read_common_state(ckpt_dir)
-    if HF_CONFIG_KEY not in common:
-        raise CheckpointError(f"{ckpt_dir}: has no stored '{HF_CONFIG_KEY}' (not written by quads-convert-hf-"
-                              "to-megatron); pass --hf-config with the model's config.json, or --preset")
-    return json.loads(common[HF_CONFIG_KEY])
+    if HF_CONFIG_KEY in common:
+        return json.loads(common[HF_CONFIG_KEY])
+    side = hf_side_dir(ckpt_dir)
+    if side is not None:
+        from transformers import AutoConfig
+
+        try:  # save_pretrained leaves out default values: let transformers fill them in
+            return AutoConfig.from_pretrained(str(side)).to_dict()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{side / 'config.json'}: {e}") from None
+    raise CheckpointError(f"{ckpt_dir}: has no stored '{HF_CONFIG_KEY}' (not written by quads-convert-hf-"
+                          "to-megatron) and no hf/config.json beside it; pass --hf-config with the model's "
+                          "config.json, or --preset")
 
 
 def hf_config_from_preset(preset: str) -> dict:
@@ -127,15 +142,14 @@ def load_megatron_checkpoint(model, ckpt_dir) -> None:
 
     Missing tensors or shape mismatches come out as CheckpointError naming the key.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from quads_megatron.megatron import checkpoint as mckpt
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))
+        mckpt.load_model_state(model, ckpt_dir)
     except CheckpointingException as e:
         raise CheckpointError(f"{ckpt_dir}: cannot load into the model: {e}") from None
-    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir}: tensors missing for the model: {missing[:5]}")
+    except ValueError as e:  # tensors missing for the model
+        raise CheckpointError(str(e)) from None

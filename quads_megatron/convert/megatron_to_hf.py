@@ -18,22 +18,26 @@ from quads_megatron.convert.errors import CheckpointError
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
                                                   read_json, write_json)
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.megatron.checkpoint import RECIPE_KEY   # the trainer's common-state key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 RECIPE_FILE = "quads_recipe.json"
-RECIPE_KEY = "quads_recipe"   # quads_megatron.megatron.checkpoint's common-state key
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="quads-convert-megatron-to-hf", description=__doc__.splitlines()[0])
-    p.add_argument("--load-dir", required=True, help="Megatron torch_dist checkpoint (or Megatron-LM save dir)")
+    p.add_argument("--load-dir", required=True,
+                   help="Megatron torch_dist checkpoint, or a Megatron-LM / GRPO --save directory (its latest "
+                        "iteration, via latest_checkpointed_iteration.txt)")
     p.add_argument("--save-dir", required=True, help="output HF checkpoint directory")
     p.add_argument("--hf-config", default=None,
                    help="config.json (or its directory) when the checkpoint does not carry one")
     p.add_argument("--preset", choices=("tiny", "qwen3-30b-a3b"), default=None,
                    help="architecture of a trainer checkpoint that carries no HF config (instead of --hf-config)")
-    p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer/generation files from this HF directory")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="copy tokenizer/generation files from this HF directory (default: the save directory's "
+                        "hf/, which the GRPO loop writes, when there is one)")
     p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="bf16", help="dtype of the written tensors")
     p.add_argument("--max-shard-size", default="5GB")
     cli.add_parallel_args(p)
@@ -42,7 +46,7 @@ def parse_args(argv=None):
 
 
 def load_hf_config(args) -> dict:
-    """--hf-config, else --preset, else the config stored in the checkpoint."""
+    """--hf-config, else --preset, else the config stored in the checkpoint (or in its save directory's hf/)."""
     from quads_megatron.convert.megatron_checkpoint import hf_config_from_preset, read_hf_config
 
     if args.hf_config:
@@ -91,8 +95,8 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
 def main(argv=None):
     args = parse_args(argv)
     from quads_megatron.convert.live import iter_hf_weights
-    from quads_megatron.convert.megatron_checkpoint import (build_model_from_hf_config, load_megatron_checkpoint,
-                                                            read_common_state)
+    from quads_megatron.convert.megatron_checkpoint import (build_model_from_hf_config, hf_side_dir,
+                                                            load_megatron_checkpoint, read_common_state)
     from quads_megatron.megatron.parallel import initialize_distributed
 
     tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
@@ -101,9 +105,14 @@ def main(argv=None):
     if rank0 and not args.dry_run:
         check_output_path(args.save_dir, force=args.force)
     hf_config = load_hf_config(args)
+    tokenizer_dir = args.tokenizer_dir
+    if tokenizer_dir is None and hf_side_dir(args.load_dir) is not None:
+        tokenizer_dir = hf_side_dir(args.load_dir)
+    # params in the output dtype: the checkpoint's values are cast once, on load (fp32 output of an fp32
+    # trainer checkpoint is exact)
     model = build_model_from_hf_config(
         hf_config, tp=tp, ep=ep, etp=etp, spec="te" if args.transformer_impl == "transformer_engine" else "local",
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        params_dtype=cli.DTYPES[args.dtype], make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     load_megatron_checkpoint(model, args.load_dir)
     recipe_json = read_common_state(args.load_dir).get(RECIPE_KEY) if rank0 else None
     dims = qwen3_moe.dims_from_hf_config(hf_config)
@@ -112,7 +121,7 @@ def main(argv=None):
         try:
             out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
                                       dry_run=args.dry_run, max_shard_bytes=cli.parse_size(args.max_shard_size),
-                                      tokenizer_dir=args.tokenizer_dir, recipe_json=recipe_json)
+                                      tokenizer_dir=tokenizer_dir, recipe_json=recipe_json)
             if out is not None:
                 print(f"wrote {out}")
         except BaseException:

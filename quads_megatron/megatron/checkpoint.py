@@ -1,12 +1,28 @@
-"""Megatron dist_checkpointing save/load of an AQAT model: master weights (+ optimizer state) and its QuadsRecipe.
+"""Megatron dist_checkpointing save/load of an AQAT model: master weights, optimizer state, recipe, loop state.
 
-AQAT leaves the Parameters unquantized, so the sharded state dict is Megatron's own (any
-TP/EP layout can load it); the recipe rides along as common (rank-0) state under
-``quads_recipe`` as JSON, so a resumed run, the converters and the rollout side read the
-same description.
+The one checkpoint path of the trainer, the GRPO loop and the converters:
+
+* ``save_checkpoint(model, dir, optimizer)`` / ``load_checkpoint(model, dir, optimizer)``: one
+  dist_checkpointing (torch_dist) directory.  AQAT leaves the Parameters unquantized, so the
+  sharded state dict is Megatron's own (any TP/EP layout can load it); the recipe rides along as
+  common (rank-0) state under ``quads_recipe`` as JSON, so a resumed run, the converters and the
+  rollout side read the same description.  ``optimizer`` is a Megatron optimizer or a plain
+  ``torch.optim`` one, whose per-parameter tensors (Adam's moments) are sharded like the
+  parameters they belong to (Megatron's ``optimizer.state.<key>.<param>`` keys).
+* ``save_iteration`` / ``load_iteration``: Megatron-LM's training-directory layout,
+  ``{save}/iter_NNNNNNN/`` + the ``latest_checkpointed_iteration.txt`` tracker.  An iteration is
+  written into ``iter_NNNNNNN.tmp`` and renamed once every rank finished, then the tracker is
+  replaced atomically (and never moved backwards), so a crash mid-save keeps the previous
+  checkpoint.  Extra common state (``common=``) and per-rank state (``rank_state=``, e.g.
+  ``get_rng_state()``, one ShardedObject per rank) ride along.
+* ``resolve_checkpoint_dir`` / ``load_common_state`` / ``load_recipe`` / ``load_model_state``:
+  the reading side, shared with ``quads_megatron.convert.megatron_checkpoint``.
 """
 
 import os
+import random
+import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,7 +31,12 @@ from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
 from quads_megatron.megatron.cpu import cuda_to_cpu
 from quads_megatron.recipe import QuadsRecipe
 
+TRACKER = "latest_checkpointed_iteration.txt"   # Megatron-LM's tracker file name
 RECIPE_KEY = "quads_recipe"
+HF_CONFIG_KEY = "hf_config"     # config.json as JSON text (written by the converters and the GRPO loop)
+META_KEY = "quads_checkpoint"   # layout, optimizer kind/keys, whether per-rank state was saved
+RANK_STATE_KEY = "quads_rank_state"
+_RESERVED = {"model", "optimizer", RECIPE_KEY, META_KEY, RANK_STATE_KEY}
 # The distributed optimizer's default sharding fails on these versions
 # ("flattened_range is not supported"); dp_reshardable works.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -26,59 +47,374 @@ def _barrier():
         dist.barrier()
 
 
-def save_checkpoint(model, ckpt_dir, optimizer=None, metadata=None):
-    """Save ``model`` (GPTModel or wrapper), optionally its Megatron optimizer, and the recipe."""
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _layout() -> dict:
+    """World size and Megatron parallel sizes: per-rank state only loads back into the same layout."""
+    from megatron.core import parallel_state as ps
+
+    layout = {"world_size": _world_size()}
+    if ps.model_parallel_is_initialized():
+        layout.update(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                      ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size())
+    return layout
+
+
+# ---------------------------------------------------------------- RNG state (per rank)
+
+def get_rng_state() -> dict:
+    """This rank's RNG states: torch CPU, CUDA (when present), Megatron's tracker, python, numpy."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["megatron"] = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+    except (ImportError, AttributeError):
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``get_rng_state()`` returned (on the same rank of the same layout)."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "megatron" in state:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["megatron"].items()})
+
+
+# ---------------------------------------------------------------- plain torch.optim optimizers
+
+def _torch_params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _torch_state_keys(optimizer) -> list:
+    """Per-parameter tensor state names (Adam: exp_avg, exp_avg_sq); ``step`` is kept apart."""
+    keys = set()
+    for p in _torch_params(optimizer):
+        for k, v in optimizer.state.get(p, {}).items():
+            if k != "step" and torch.is_tensor(v) and v.shape == p.shape:
+                keys.add(k)
+    return sorted(keys)
+
+
+def _torch_optimizer_sharded(optimizer, model_sd, keys, *, loading: bool) -> dict:
+    """{param index: {key: ShardedTensor}}: each state tensor sharded like its parameter."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            make_sharded_optimizer_tensor)
+
+    params = _torch_params(optimizer)
+    id_map = get_param_id_to_sharded_param_map(model_sd, params)
+    missing = [i for i in range(len(params)) if i not in id_map]
+    if missing:
+        raise ValueError(f"optimizer parameters {missing[:5]} are not in the model's sharded_state_dict "
+                         "(the optimizer must hold the model's own Parameters)")
+    state = {}
+    for i, p in enumerate(params):
+        own = optimizer.state.get(p, {})
+        state[i] = {}
+        for k in keys:
+            # a parameter that never stepped is saved as zeros: Adam's own lazy initial value
+            t = torch.empty_like(p) if loading else own.get(k, torch.zeros_like(p))
+            state[i][k] = make_sharded_optimizer_tensor(id_map[i], t.detach(), prefix=f"optimizer.state.{k}")
+    return state
+
+
+def _torch_steps(optimizer) -> list:
+    return [optimizer.state.get(p, {}).get("step") for p in _torch_params(optimizer)]
+
+
+def _load_torch_optimizer(optimizer, loaded_state, keys, steps, common_step) -> None:
+    """Load the sharded tensors (+ per-parameter ``step``: this rank's own list when the layout is the
+    same, else the common step) into a torch optimizer; parameters that never stepped stay stateless."""
+    state = {}
+    for i in range(len(_torch_params(optimizer))):
+        step = steps[i] if steps is not None else common_step
+        if step is None:
+            continue
+        state[i] = {k: loaded_state[i][k] for k in keys}
+        state[i]["step"] = step.clone() if torch.is_tensor(step) else step
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+# ---------------------------------------------------------------- one dist_checkpointing directory
+
+def _write(model, ckpt_dir, optimizer=None, metadata=None, common=None, rank_state=None):
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     gpt = unwrap_model(model)
     recipe = quads_recipe(gpt)
+    common = dict(common or {})
+    if _RESERVED & set(common):
+        raise ValueError(f"save_checkpoint: common keys {sorted(_RESERVED & set(common))} are reserved")
+    rank_state = dict(rank_state or {})
+    meta = {"layout": _layout(), "optimizer": None}
+    with cuda_to_cpu():
+        state = {"model": gpt.sharded_state_dict(), RECIPE_KEY: recipe.to_json() if recipe is not None else None,
+                 **common}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            keys, steps = _torch_state_keys(optimizer), _torch_steps(optimizer)
+            meta["optimizer"] = {"kind": "torch", "keys": keys,
+                                 "common_step": next((s for s in steps if s is not None), None)}
+            if keys:
+                state["optimizer"] = {"state": _torch_optimizer_sharded(optimizer, state["model"], keys,
+                                                                        loading=False)}
+            rank_state["optimizer_steps"] = steps
+        elif optimizer is not None:
+            meta["optimizer"] = {"kind": "megatron"}
+            state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata or OPTIMIZER_METADATA)
+        meta["rank_state"] = bool(rank_state)
+        if rank_state:
+            state[RANK_STATE_KEY] = ShardedObject(RANK_STATE_KEY, rank_state, (_world_size(),), (_rank(),),
+                                                  replica_id=0)
+        state[META_KEY] = meta
+        dist_checkpointing.save(state, str(ckpt_dir))
+
+
+def save_checkpoint(model, ckpt_dir, optimizer=None, metadata=None, *, common=None, rank_state=None):
+    """Save ``model`` (GPTModel or wrapper), optionally its optimizer (Megatron or torch.optim), and the recipe.
+
+    ``common``: extra picklable objects saved once (rank 0's); ``rank_state``: one object per rank.
+    """
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):  # every rank: no rank left in a barrier
         raise FileExistsError(f"save_checkpoint: {ckpt_dir} exists and is not empty")
     _barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if _rank() == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
     _barrier()
-    with cuda_to_cpu():
-        state = {"model": gpt.sharded_state_dict(),
-                 RECIPE_KEY: recipe.to_json() if recipe is not None else None}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(
-                state["model"], metadata=metadata or OPTIMIZER_METADATA)
-        dist_checkpointing.save(state, ckpt_dir)
+    _write(model, ckpt_dir, optimizer, metadata, common, rank_state)
     _barrier()
+
+
+def read_tracker(save_dir):
+    """The tracker's iteration (int), ``"release"``, or None when ``save_dir`` has no tracker."""
+    tracker = Path(save_dir) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        return text
+    if not text.isdigit():
+        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def latest_iteration(save_dir):
+    """Iteration named by the tracker of a save directory, or None when it holds no checkpoint yet."""
+    it = read_tracker(save_dir)
+    return it if isinstance(it, int) else None
+
+
+def iteration_dir(save_dir, iteration) -> Path:
+    """``{save_dir}/iter_NNNNNNN`` (Megatron-LM's name; ``release`` for the string "release")."""
+    return Path(save_dir) / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def resolve_checkpoint_dir(path) -> Path:
+    """The dist_checkpointing directory itself, or the tracker's iteration of a Megatron-LM save directory."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    it = read_tracker(path)
+    if it is not None:
+        path = iteration_dir(path, it)
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise ValueError(f"{path}: not a Megatron dist_checkpointing checkpoint (no valid metadata.json)")
+    return path
+
+
+def load_common_state(ckpt_dir) -> dict:
+    """The non-sharded (rank-0) objects of a checkpoint: ``quads_recipe``, ``hf_config``, ``common=`` extras."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(ckpt_dir)))
 
 
 def load_recipe(ckpt_dir):
     """The QuadsRecipe stored in a checkpoint (None for a checkpoint of a BF16 model)."""
-    from megatron.core import dist_checkpointing
-
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_recipe: no checkpoint directory {ckpt_dir}")
-    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-    text = common.get(RECIPE_KEY)
+    text = load_common_state(ckpt_dir).get(RECIPE_KEY)
     return None if text is None else QuadsRecipe.from_json(text)
 
 
-def load_checkpoint(model, ckpt_dir, optimizer=None, metadata=None):
-    """Load master weights (and optimizer state) into ``model``; its recipe must equal the stored one."""
+def _apply_model_state(gpt, loaded: dict, ckpt_dir) -> None:
+    missing, _ = gpt.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"{ckpt_dir}: tensors missing for the model: {missing[:5]}")
+
+
+def load_model_state(model, ckpt_dir) -> Path:
+    """Load only the weights (no recipe check, no optimizer) from a checkpoint of any TP/EP layout."""
     from megatron.core import dist_checkpointing
+
+    gpt = unwrap_model(model)
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    with cuda_to_cpu():
+        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt_dir))
+    _apply_model_state(gpt, loaded["model"], ckpt_dir)
+    return ckpt_dir
+
+
+def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from quads_megatron.megatron.aqat import post_optimizer_hook
 
     gpt = unwrap_model(model)
-    stored, mine = load_recipe(ckpt_dir), quads_recipe(gpt)
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+    text = common.get(RECIPE_KEY)
+    stored, mine = (None if text is None else QuadsRecipe.from_json(text)), quads_recipe(gpt)
     if stored != mine:
         raise ValueError(f"load_checkpoint: {ckpt_dir} was saved with recipe {stored} but the "
                          f"model is converted with {mine}; apply_quads(model, load_recipe(dir)) "
                          "before loading")
+    meta = common.get(META_KEY, {"optimizer": {"kind": "megatron"}})  # older checkpoints: Megatron's or none
+    opt_meta = meta.get("optimizer") or {}
+    is_torch = isinstance(optimizer, torch.optim.Optimizer)
+    if optimizer is not None and opt_meta.get("kind") != ("torch" if is_torch else "megatron"):
+        raise ValueError(f"load_checkpoint: {ckpt_dir} holds {opt_meta.get('kind') or 'no'} optimizer state, "
+                         f"not a {'torch.optim' if is_torch else 'Megatron'} optimizer's")
+    same_layout = meta.get("layout") == _layout()
     with cuda_to_cpu():
-        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt_dir)
-        gpt.load_state_dict(loaded["model"])
-        if optimizer is not None:
+        request = {"model": gpt.sharded_state_dict()}
+        if is_torch and opt_meta["keys"]:
+            request["optimizer"] = {"state": _torch_optimizer_sharded(optimizer, request["model"], opt_meta["keys"],
+                                                                      loading=True)}
+        if meta.get("rank_state") and same_layout:
+            request[RANK_STATE_KEY] = ShardedObject(RANK_STATE_KEY, None, (_world_size(),), (_rank(),), replica_id=0)
+        loaded = dist_checkpointing.load(request, str(ckpt_dir))
+        _apply_model_state(gpt, loaded["model"], ckpt_dir)
+        rank_state = loaded.get(RANK_STATE_KEY)
+        if is_torch:
+            steps = rank_state.get("optimizer_steps") if rank_state is not None else None
+            with torch.no_grad():
+                _load_torch_optimizer(optimizer, (loaded.get("optimizer") or {}).get("state", {}), opt_meta["keys"],
+                                      steps, opt_meta["common_step"])
+        elif optimizer is not None:
             opt_sd = optimizer.sharded_state_dict(gpt.sharded_state_dict(), is_loading=True,
                                                   metadata=metadata or OPTIMIZER_METADATA)
-            loaded_opt = dist_checkpointing.load({"optimizer": opt_sd}, ckpt_dir)
+            loaded_opt = dist_checkpointing.load({"optimizer": opt_sd}, str(ckpt_dir))
             with torch.no_grad():
                 optimizer.load_state_dict(loaded_opt["optimizer"])
     post_optimizer_hook(gpt)
-    return stored
+    if rank_state is not None:
+        rank_state = {k: v for k, v in rank_state.items() if k != "optimizer_steps"}
+    return {"dir": ckpt_dir, "recipe": stored, "common": common, "rank_state": rank_state}
+
+
+def load_checkpoint(model, ckpt_dir, optimizer=None, metadata=None):
+    """Load master weights (and optimizer state) into ``model``; its recipe must equal the stored one.
+
+    ``ckpt_dir``: a checkpoint directory, or a save directory with a tracker. Returns the recipe.
+    """
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"load_recipe: no checkpoint directory {ckpt_dir}")
+    return _read(model, ckpt_dir, optimizer, metadata)["recipe"]
+
+
+# ---------------------------------------------------------------- Megatron-LM training directories
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` onto ``final``; an existing ``final`` is moved aside first and removed last."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def _write_tracker(save_dir: Path, iteration: int) -> None:
+    tmp = save_dir / f"{TRACKER}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / TRACKER)
+
+
+def save_iteration(model, save_dir, iteration: int, optimizer=None, *, common=None, rank_state=None,
+                   metadata=None, replace: bool = False) -> Path:
+    """Save ``{save_dir}/iter_NNNNNNN`` atomically and point the tracker at it; collective (every rank).
+
+    The tracker never moves backwards: saving an iteration below the tracker's raises, unless
+    ``replace`` (start over), which also deletes every other ``iter_*`` of ``save_dir`` once the
+    new checkpoint and tracker are in place.
+    """
+    save_dir = Path(save_dir)
+    iteration = int(iteration)
+    latest = latest_iteration(save_dir) if save_dir.is_dir() else None  # every rank: all raise together
+    if latest is not None and latest > iteration and not replace:
+        raise FileExistsError(f"{save_dir} holds iteration {latest}; saving iteration {iteration} there would "
+                              f"move {TRACKER} backwards")
+    final = iteration_dir(save_dir, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        tmp.mkdir(parents=True)
+    _barrier()
+    try:
+        _write(model, tmp, optimizer, metadata, common, rank_state)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _rank() == 0:
+        _replace_dir(tmp, final)
+        _write_tracker(save_dir, iteration)
+        if replace:
+            for other in save_dir.glob("iter_*"):
+                if other.is_dir() and other != final:
+                    shutil.rmtree(other, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_iteration(model, load_dir, optimizer=None, *, metadata=None):
+    """Load the tracker's iteration of a save directory (model, optimizer; recipe checked).
+
+    Returns None when ``load_dir`` holds no checkpoint yet, else ``{"iteration", "dir", "recipe",
+    "common", "rank_state"}``; ``rank_state`` is None when the checkpoint was saved with another
+    parallel layout (or without one).
+    """
+    it = latest_iteration(load_dir) if Path(load_dir).is_dir() else None
+    if it is None:
+        return None
+    out = _read(model, iteration_dir(load_dir, it), optimizer, metadata)
+    out["iteration"] = it
+    return out

@@ -94,13 +94,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=25, help="pass@1 on the held-out set every N steps")
     g.add_argument("--quant-error-interval", type=int, default=10, help="per-layer NVFP4 error every N steps")
-    g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None, help="resume from this checkpoint directory")
+    g.add_argument("--save", default=None,
+                   help="checkpoint directory (Megatron dist_checkpointing: iter_NNNNNNN/ + "
+                        "latest_checkpointed_iteration.txt, config.json + tokenizer in hf/; converts with "
+                        "quads-convert-megatron-to-hf --load-dir); saved every --save-interval steps and "
+                        "always at the end of training")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="steps between checkpoints (unset or 0: only at the end of training)")
+    g.add_argument("--load", default=None, help="resume from the latest checkpoint of this directory")
     g.add_argument("--resume", action="store_true", help="resume from --save if it holds a checkpoint")
+    g.add_argument("--force", action="store_true",
+                   help="start over in a --save directory that already holds a checkpoint: its iterations "
+                        "are replaced at this run's first save")
     g.add_argument("--no-tqdm", action="store_true")
     g.add_argument("--summary-json", default=None, help="also write the final summary here")
     return p
+
+
+def _held_checkpoint(save: str) -> str | None:
+    """'iteration N' when ``save`` holds a Megatron-layout checkpoint (tracker or iter_* directories)."""
+    from pathlib import Path
+
+    from quads_megatron.megatron.checkpoint import TRACKER
+
+    path = Path(save)
+    if (path / TRACKER).is_file():
+        return f"iteration {(path / TRACKER).read_text().strip()}"
+    iters = sorted(d.name for d in path.glob("iter_*") if d.is_dir() and not d.name.endswith((".tmp", ".old")))
+    return f"{iters[-1]}, no {TRACKER}" if iters else None
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,6 +138,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.load = args.save
     if args.save_interval is not None and not args.save:
         p.error("--save-interval needs --save")
+    if args.save_interval is not None and args.save_interval < 0:
+        p.error(f"--save-interval {args.save_interval}: must be >= 0 (0: save only at the end)")
+    if args.force and not args.save:
+        p.error("--force needs --save")
+    held = _held_checkpoint(args.save) if args.save and not args.force else None
+    if held is not None and (args.load is None or not _same_dir(args.load, args.save)):
+        load = "" if args.load is None else f" (this run loads --load {args.load})"
+        p.exit(2, f"{p.prog}: error: --save {args.save} already holds a checkpoint ({held}) that this run would "
+                  f"not continue from{load}; pass --resume to continue it, a new --save directory, or --force "
+                  "to start over and replace it\n")
     if args.rac_channels % 16 or args.rac_channels < 0:
         p.error(f"--rac-channels {args.rac_channels}: must be a non-negative multiple of 16")
     if args.sglang_launch:

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
 from .advantages import grpo_advantages
 from .arguments import parse_args
 from .batch import build_sft_batch, build_train_batch, decode_response, encode_prompt
@@ -246,13 +245,10 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the job
     def run(self) -> dict:
         a = self.args
-        start = 0
-        state = ckpt.load_checkpoint(a.load) if a.load else None
+        start, rng_state = 0, None
+        state = self._load_checkpoint() if a.load else None
         if state is not None:
-            self.policy.load_state_dict(state["policy"])
-            self.history = state.get("history", [])
-            start = state["iteration"]
-            _print(f"resumed from {a.load} at iteration {start}")
+            start, rng_state = state["iteration"], state["rng"]
         else:
             if a.hf_checkpoint:
                 self.policy.load_hf_checkpoint()
@@ -272,6 +268,11 @@ class GRPOTrainer:
             from tqdm import tqdm
 
             bar = tqdm(total=a.train_iters, initial=start, desc="GRPO", dynamic_ncols=True, leave=False)
+        if rng_state is not None:  # the RNGs as the saving run left them when it went on to the next step
+            from quads_megatron.megatron.checkpoint import set_rng_state
+
+            set_rng_state(rng_state)
+        saved = False
         for step in range(start, a.train_iters):
             t0 = time.perf_counter()
             samples, rollouts, rewards = self.rollout(step)
@@ -320,17 +321,68 @@ class GRPOTrainer:
                     print(line, flush=True)
             if bar is not None:
                 bar.update(1)
-            if a.save and a.save_interval and (it % a.save_interval == 0 or it == a.train_iters):
-                ckpt.save_checkpoint(a.save, it, {"policy": self.policy.state_dict(), "history": self.history,
-                                                  "args": vars(a)})
-                hf_dir = Path(a.save) / "hf"  # config.json + tokenizer: the HF side, for export with the converters
-                if _rank0() and not hf_dir.exists():
-                    self.tokenizer.save_pretrained(hf_dir)
-                    self.policy.hf_config().save_pretrained(hf_dir)
+            # Megatron's rule: every --save-interval steps, and always at the end of training
+            if a.save and ((a.save_interval and it % a.save_interval == 0) or it == a.train_iters):
+                self._save_checkpoint(it, first=not saved)
+                saved = True
         if bar is not None:
             bar.close()
         summary = self.summary(sync_time)
         return summary
+
+    # ------------------------------------------------------------------ checkpoints
+    LOOP_STATE_KEY = "grpo_loop"  # the loop's common state in the checkpoint: iteration, history, args
+
+    def _save_checkpoint(self, iteration: int, first: bool):
+        """{save}/iter_NNNNNNN via Megatron dist_checkpointing (quads_megatron.megatron.checkpoint) + {save}/hf.
+
+        ``first`` (this run's first save): {save}/hf (config.json + tokenizer, what the converters
+        read) is (re)written, and with --force the old run's iterations are replaced.
+        """
+        from quads_megatron.megatron.checkpoint import get_rng_state
+
+        a = self.args
+        if first and _rank0():
+            self._write_hf_dir(Path(a.save))
+        # plain data only: dist_checkpointing reads the common state back with torch.load(weights_only=True)
+        args = json.dumps(vars(a), sort_keys=True, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else str(o))
+        common = {self.LOOP_STATE_KEY: {"iteration": iteration, "history": self.history, "args": args}}
+        self.policy.save_checkpoint(a.save, iteration, common=common, rank_state={"rng": get_rng_state()},
+                                    replace=first and bool(getattr(a, "force", False)))
+
+    def _write_hf_dir(self, save: Path):
+        import shutil
+
+        hf, tmp = save / "hf", save / "hf.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.tokenizer.save_pretrained(tmp)
+        self.policy.hf_config().save_pretrained(tmp)
+        if hf.exists():
+            old = save / "hf.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(hf, old)
+            os.rename(tmp, hf)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, hf)
+
+    def _load_checkpoint(self):
+        """Resume from --load: model + AdamW (any TP/EP layout), history; None when it holds no checkpoint."""
+        a = self.args
+        state = self.policy.load_checkpoint(a.load)
+        if state is None:
+            _print(f"{a.load} holds no checkpoint yet: starting from scratch")
+            return None
+        loop_state = state["common"].get(self.LOOP_STATE_KEY)
+        if loop_state is None:
+            raise ValueError(f"--load {a.load}: {state['dir']} is not a GRPO checkpoint (no "
+                             f"'{self.LOOP_STATE_KEY}' state); use --hf-checkpoint for initial weights")
+        self.history = loop_state["history"]
+        rng = (state["rank_state"] or {}).get("rng")
+        if rng is None:
+            _print("note: RNG states not restored (the checkpoint was saved with another parallel layout)")
+        _print(f"resumed from {state['dir']} at iteration {state['iteration']}")
+        return {"iteration": state["iteration"], "rng": rng}
 
     def summary(self, first_sync_time: float) -> dict:
         """Reward before/after, pass@1 before/after, mean log-prob gap: printed, to TensorBoard and JSON."""

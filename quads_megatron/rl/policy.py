@@ -203,13 +203,21 @@ class MegatronPolicy:
         d.pop("model_type", None)
         return Qwen3MoeConfig(**d)
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def save_checkpoint(self, save_dir, iteration: int, *, common=None, rank_state=None, replace: bool = False):
+        """``{save_dir}/iter_NNNNNNN`` through Megatron dist_checkpointing (collective): the sharded model,
+        the AdamW state, the recipe and the HF config.json in the common state, plus the caller's extras."""
+        import json
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        if self.recipe is not None:
-            from quads_megatron.megatron import post_optimizer_hook
+        from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, save_iteration
 
-            post_optimizer_hook(self.model)  # master weights changed: refresh the fake-quant cache
+        common = {HF_CONFIG_KEY: json.dumps(json.loads(self.hf_config().to_json_string(use_diff=False)),
+                                            sort_keys=True), **(common or {})}
+        return save_iteration(self.model, save_dir, iteration, self.optimizer, common=common,
+                              rank_state=rank_state, replace=replace)
+
+    def load_checkpoint(self, load_dir):
+        """Load the latest iteration of ``load_dir`` (any TP/EP layout) into the model and AdamW; None when
+        it holds no checkpoint. The fake-quant caches are refreshed by the loader."""
+        from quads_megatron.megatron.checkpoint import load_iteration
+
+        return load_iteration(self.model, load_dir, self.optimizer)
