@@ -117,7 +117,7 @@ def check_activation_quant_tp(tp):
 
     initialize_distributed(tp=tp)
     cfg = qwen3_moe_config("tiny", tensor_model_parallel_size=tp)
-    model = apply_quads(build_gpt_model(cfg, VOCAB, SEQ), QuadsRecipe(activation_mode="nvfp4"))
+    model = apply_quads(build_gpt_model(cfg, VOCAB, SEQ), QuadsRecipe(train_precision="w4a4"))
     seen = []
     for fc2 in (e.linear_fc2 for e in model.decoder.layers[0].mlp.experts.local_experts):
         record = {}
@@ -160,7 +160,7 @@ def check_checkpoint_resume(tp, ep, ckpt_dir):
 
     initialize_distributed(tp=tp, ep=ep)
     cfg = qwen3_moe_config("tiny", tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    recipe = QuadsRecipe(bf16_last_layers=1, activation_scaling="per_tensor")
+    recipe = QuadsRecipe(bf16_last_layers=1, activation_scaling="static")
 
     def build(seed):
         model = apply_quads(build_gpt_model(cfg, VOCAB, SEQ, expert_seed=seed), recipe if seed == 1

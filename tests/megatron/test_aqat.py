@@ -134,18 +134,18 @@ def _gemm_inputs(model, name):
     return seen
 
 
-@pytest.mark.parametrize("mode,scaling", [("bf16", "per_token"), ("nvfp4", "per_token"),
-                                          ("nvfp4", "per_tensor")])
-def test_activation_mode(mode, scaling):
+@pytest.mark.parametrize("mode,scaling", [("w4a16", "per_token"), ("w4a4", "per_token"),
+                                          ("w4a4", "static")])
+def test_train_precision(mode, scaling):
     from quads_megatron.megatron.aqat import apply_quads
 
-    model = apply_quads(build(), QuadsRecipe(activation_mode=mode, activation_scaling=scaling))
+    model = apply_quads(build(), QuadsRecipe(train_precision=mode, activation_scaling=scaling))
     fc1, fc2 = _gemm_inputs(model, FC1), _gemm_inputs(model, FC2)
     attn = _gemm_inputs(model, "decoder.layers.0.self_attention.linear_qkv")
     loss_of(model, batch())
     for seen in (fc1, fc2):
         assert seen["raw"].shape[0] > 0, "expert 0 received no tokens"
-        if mode == "bf16":
+        if mode == "w4a16":
             assert torch.equal(seen["gemm"], seen["raw"])
         else:
             expected = nvfp4.fake_quantize(seen["raw"], per_row=scaling == "per_token")
@@ -163,15 +163,23 @@ def test_bf16_carve_outs_keep_layers_unquantized():
     assert first and all(n.startswith("decoder.layers.1.") for n in first)
     last = quads_targets(apply_quads(build(), QuadsRecipe(bf16_last_layers=1)))
     assert last and all(n.startswith("decoder.layers.0.") for n in last)
-    pattern = "decoder.layers.0.mlp.experts.local_experts.1.*"
-    model = apply_quads(build(), QuadsRecipe(bf16_patterns=[pattern]))
+    # patterns name HF modules (the plan's canonical names); a fused MoE layer is carved as a whole
+    model = apply_quads(build(), QuadsRecipe(bf16_patterns=["model.layers.0.mlp.experts.*"]))
     names = set(quads_targets(model))
-    assert len(names) == 14 and not any(".0.mlp.experts.local_experts.1." in n for n in names)
+    assert len(names) == 8 and all(n.startswith("decoder.layers.1.") for n in names)
     # a carved-out expert computes with its master weight
     seen = _gemm_inputs(model, "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1")
     loss_of(model, batch())
     assert torch.equal(seen["weight"], module(
         model, "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1").weight.detach())
+    with pytest.raises(ValueError, match="a fused MoE layer is NVFP4 or BF16 as a whole"):
+        apply_quads(build(), QuadsRecipe(bf16_patterns=["model.layers.0.mlp.experts.1.*"]))
+    with pytest.raises(ValueError, match="share one global scale"):
+        apply_quads(build(), QuadsRecipe(scope=["attention"], bf16_patterns=["model.layers.0.self_attn.k_proj"]))
+    attn = apply_quads(build(), QuadsRecipe(scope=["attention"], bf16_patterns=["model.layers.0.self_attn.o_proj"]))
+    assert sorted(quads_targets(attn)) == ["decoder.layers.0.self_attention.linear_qkv",
+                                           "decoder.layers.1.self_attention.linear_proj",
+                                           "decoder.layers.1.self_attention.linear_qkv"]
 
 
 def test_wider_scope_and_16x16_blocks():
@@ -212,20 +220,22 @@ def test_grouped_mlp_experts(monkeypatch):
     assert torch.isfinite(loss) and experts.weight1.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="GroupedMLP computes it inside"):
         apply_quads(build(moe_grouped_gemm=True, params_dtype=torch.bfloat16),
-                    QuadsRecipe(activation_mode="nvfp4"))
+                    QuadsRecipe(train_precision="w4a4"))
 
 
 def test_bad_input_is_a_clear_error():
     from quads_megatron.megatron.aqat import apply_quads
 
-    with pytest.raises(ValueError, match="matches no module"):
-        apply_quads(build(), QuadsRecipe(bf16_patterns=["decoder.layers.7.*"]))
-    with pytest.raises(ValueError, match=r"scope names \['shared_experts'\]"):
-        apply_quads(build(), QuadsRecipe(scope=["routed_experts", "shared_experts"]))
-    with pytest.raises(ValueError, match=r"local_experts\.0\.linear_fc2: per-rank reduction dim K=40"):
+    with pytest.raises(ValueError, match="match no weight"):
+        apply_quads(build(), QuadsRecipe(bf16_patterns=["model.layers.7.*"]))
+    with pytest.raises(ValueError, match="QuadsRecipe.scope: 'shared_experts' is not one of"):
+        QuadsRecipe(scope=["routed_experts", "shared_experts"])
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight has K=40"):
         apply_quads(build(moe_ffn_hidden_size=40))
-    with pytest.raises(ValueError, match="activation_mode='fp8' is not one of"):
-        QuadsRecipe(activation_mode="fp8")
+    with pytest.raises(ValueError, match="train_precision: 'fp8' is not one of"):
+        QuadsRecipe(train_precision="fp8")
+    with pytest.raises(ValueError, match="RAC is rollout-only"):
+        QuadsRecipe(train_precision="w4a4_rac")
     model = apply_quads(build())
     with pytest.raises(RuntimeError, match="already converted"):
         apply_quads(model)

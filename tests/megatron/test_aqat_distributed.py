@@ -63,7 +63,7 @@ def test_ep_layouts_compute_the_single_rank_loss(results):
 
 
 def test_per_token_activation_scale_spans_the_k_shards(results):
-    """activation_mode='nvfp4' under expert-TP=2: gathered fc2 GEMM input = fake_quantize(full input)."""
+    """train_precision='w4a4' under expert-TP=2: gathered fc2 GEMM input = fake_quantize(full input)."""
     for rank in results:
         assert rank["act_tp2"]["checked"] > 0 and rank["act_tp2"]["bitwise"]
 
@@ -87,7 +87,7 @@ def test_checkpoint_recipe_is_readable_and_checked(results):
     from quads_megatron.recipe import QuadsRecipe
 
     ckpt = results[0]["ckpt_dir"]
-    assert load_recipe(ckpt) == QuadsRecipe(bf16_last_layers=1, activation_scaling="per_tensor")
+    assert load_recipe(ckpt) == QuadsRecipe(bf16_last_layers=1, activation_scaling="static")
     initialize_distributed()
     model = apply_quads(build_gpt_model(qwen3_moe_config("tiny"), 256, 16), QuadsRecipe())
     with pytest.raises(ValueError, match="was saved with recipe"):
