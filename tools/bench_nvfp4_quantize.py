@@ -57,9 +57,9 @@ def main():
     row("quantize kernel (global scale given)",
         lambda: triton_kernels.quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]]), 2.5625 * n)
     row("quantize per-token (amax + kernel)",
-        lambda: nvfp4.quantize(xs[nxt()], per_row=True, check_finite=False), 2.5625 * n)
+        lambda: nvfp4.quantize(xs[nxt()], per_row=True, check_finite=False, backend="triton"), 2.5625 * n)
     row("quantize per-tensor (amax + kernel)",
-        lambda: nvfp4.quantize(xs[nxt()], check_finite=False), 2.5625 * n)
+        lambda: nvfp4.quantize(xs[nxt()], check_finite=False, backend="triton"), 2.5625 * n)
     row("dequantize kernel -> bf16",
         lambda: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]]), 2.5625 * n)
     row("fake_quantize kernel (bf16 -> bf16)",

@@ -14,7 +14,6 @@ weights (equal to an eager forward). Correctness against the reference is the te
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
@@ -186,7 +185,6 @@ def main() -> None:
     p.add_argument("--mode", default="w4a4_rac", choices=("w4a4", "w4a4_rac", "w4a16"))
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    os.environ.setdefault("QUADS_KERNEL_CHECKS", "0")  # serving hot path: no host syncs
     init_sglang()
     from quads_megatron.plan.rollout_schema import RolloutQuantConfig
     from sglang_ext.config import QuadsConfig

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import os
-
 import torch
 
 from quads_megatron.rac import check_comp_index
@@ -14,10 +12,11 @@ ACT_MODES = ("w4a4", "w4a4_rac", "w4a16")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def value_checks_enabled() -> bool:
-    """Checks that read tensor values sync the host: skipped while a CUDA graph is captured
-    and when QUADS_KERNEL_CHECKS=0 (serving hot paths, benchmarks)."""
-    if os.environ.get("QUADS_KERNEL_CHECKS", "1") == "0":
+def value_checks_enabled(check_inputs: bool = True) -> bool:
+    """Checks that read tensor values (comp_index range/order, expert ids) sync the host: they
+    run when the caller asks (`check_inputs=True`, the default of the public ops) and no CUDA
+    graph is being captured. Shape and dtype checks always run (no sync)."""
+    if not check_inputs:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -66,20 +65,21 @@ def check_packed_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 def check_comp(act_mode: str, comp_index: Optional[torch.Tensor], k_in: int,
-               num_groups: Optional[int] = None, name: str = "comp_index") -> Optional[torch.Tensor]:
+               num_groups: Optional[int] = None, name: str = "comp_index",
+               check_inputs: bool = True) -> Optional[torch.Tensor]:
     """The compensation index that applies in this mode (None unless w4a4_rac)."""
     if act_mode != "w4a4_rac":
         return None
     if comp_index is None:
         raise ValueError(f"{name}: act_mode 'w4a4_rac' needs compensation channel indices")
     if check_comp_index(comp_index, k_in, num_groups, name,
-                        check_values=value_checks_enabled()) == 0:
+                        check_values=value_checks_enabled(check_inputs)) == 0:
         return None
     return comp_index
 
 
 def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: int,
-                  num_experts: int) -> None:
+                  num_experts: int, check_inputs: bool = True) -> None:
     """topk_ids int [T, topk] in [0, E); topk_weights float [T, topk]."""
     if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.ndim != 2 or \
             topk_ids.shape[0] != tokens:
@@ -88,13 +88,14 @@ def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: in
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights: expected float {tuple(topk_ids.shape)}, got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
-    if value_checks_enabled() and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+    if value_checks_enabled(check_inputs) and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"topk_ids: expert id out of range [0, {num_experts}): min "
                          f"{int(topk_ids.min())}, max {int(topk_ids.max())}")
 
 
 def check_moe_inputs(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights,
-                     topk_ids, act_mode, w13_comp_index, w2_comp_index) -> tuple:
+                     topk_ids, act_mode, w13_comp_index, w2_comp_index,
+                     check_inputs: bool = True) -> tuple:
     """Validate the fused-MoE operands: (num_experts, hidden, ffn, fc1 comp index, fc2 comp index)."""
     check_act_mode(act_mode)
     num_experts = w13.shape[0]
@@ -106,10 +107,12 @@ def check_moe_inputs(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, t
     if two_f != 2 * f or h_out != hidden or w2.shape[0] != num_experts:
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected w13 "
                          f"[E, 2F, H//2] and w2 [E, H, F//2]")
-    check_routing(topk_weights, topk_ids, x.shape[0], num_experts)
-    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index")
+    check_routing(topk_weights, topk_ids, x.shape[0], num_experts, check_inputs)
+    c13 = check_comp(act_mode, w13_comp_index, hidden, name="w13_comp_index",
+                     check_inputs=check_inputs)
     if c13 is not None and c13.ndim != 1:
         raise ValueError("w13_comp_index: fc1 reads the same hidden states for every expert; "
                          "expected one set per layer [k]")
-    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index")
+    c2 = check_comp(act_mode, w2_comp_index, f, num_experts, name="w2_comp_index",
+                    check_inputs=check_inputs)
     return num_experts, hidden, f, c13, c2

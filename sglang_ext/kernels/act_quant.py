@@ -63,7 +63,7 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 @triton.jit
 def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
                       comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
-                      WRITE_F16: tl.constexpr, FUSE_RES: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+                      WRITE_F16: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,7 +93,7 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
             _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
-        tl.debug_barrier()  # codes and scales just stored are read back (and values rewritten)
+        tl.debug_barrier()  # codes and scales just stored are read back
         j = tl.arange(0, BLOCK_KR)
         jmask = j < KR
         if HAS_GROUP:
@@ -115,17 +115,7 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
                                                          BLOCK_KR // 16, BLOCK_M)
         _store_packed(r_ptr, rs_ptr, rcodes, rsf_bits, rows, rmask, 0, KR, BLOCK_M, BLOCK_KR)
         if WRITE_F16:
-            if FUSE_RES:
-                # Hopper RAC: fold rq into the activation tile on S, in units of S_dec(x) * 2^7:
-                # v[S] = xq[S] + rq * S_dec(r) / S_dec(x), rounded once to fp16 (2^-12 relative)
-                rv = tl.reshape(tl.reshape(e2m1_decode(rcodes), (BLOCK_M, BLOCK_KR // 16, 16))
-                                * rsf_val[:, :, None], (BLOCK_M, BLOCK_KR))
-                t = rv * tl.math.div_rn(r_dec, s_dec)[:, None] * 0.0078125
-                v_s = e2m1_decode(code) * sf * 0.0078125
-                tl.store(v_ptr + rbase * K + idx, (v_s + t).to(tl.float16), mask=m)
-            else:
-                _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], m, KR, BLOCK_M,
-                                BLOCK_KR)
+            _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], m, KR, BLOCK_M, BLOCK_KR)
 
 
 class QuantizedActivation(NamedTuple):
@@ -145,15 +135,14 @@ class QuantizedActivation(NamedTuple):
 def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] = None,
                             input_scale=None, groups: Optional[torch.Tensor] = None,
                             silu_mul: bool = False, block_m: int = 4,
-                            with_values: bool = True,
-                            fuse_residual: bool = False) -> QuantizedActivation:
+                            with_values: bool = True) -> QuantizedActivation:
     """x [M, K] (or [M, 2K] gate|up with silu_mul) -> QuantizedActivation (no host syncs).
 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
     static per-tensor activation decode scale (the residual keeps a per-row scale);
-    with_values: also write the exact fp16 tiles the Hopper GEMM reads; fuse_residual: fold
-    the residual into `values` on S (v = xq + rq * S_dec(r)/S_dec(x), one fp16 rounding) so the
-    GEMM needs no residual pass (`r_values` is then None; the packed residual is still written).
+    with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual).
+    Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
+    `quads_megatron.rac.quantize_compensated`.
     """
     if x.ndim != 2 or x.stride(-1) != 1:
         raise ValueError(f"x: expected a row-major 2-D activation, got shape {tuple(x.shape)}")
@@ -172,7 +161,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         r_scale = torch.empty(m_rows, kr // 16, dtype=torch.uint8, device=dev)
         r_s_dec = torch.empty(m_rows, dtype=torch.float32, device=dev)
         r_values = (torch.empty(m_rows, kr, dtype=torch.float16, device=dev)
-                    if with_values and not fuse_residual else None)
+                    if with_values else None)
         comp = comp_index.to(torch.int32).contiguous()
         if comp.ndim == 2 and groups is None:
             raise ValueError("comp_index [G, k] (one set per expert) needs groups [M]")
@@ -197,7 +186,6 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         values if with_values else s_dec, comp, comp_stride, grp,
         r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec,
         r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values,
-        FUSE_RES=fuse_residual and kr > 0,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False)

@@ -18,13 +18,11 @@ finite scale. The activation tile is not decoded here: `act_quant` writes it as 
 exact fp16 (e2m1 * e4m3 * 2^-7) next to the packed codes, so the decode work per program is
 the weight tile only. The RAC weight gather uses the lead's helpers directly.
 
-RAC on Hopper, two forms (`ops.py`, QUADS_RAC_HOPPER): "exact", y = xq Wq^T + rq Wq[:, S]^T,
-is a second, short K loop over the k gathered channels (`r=` in `launch_gemm`; own per-row
-S_dec, the accumulator is rescaled by S_dec(x) / S_dec(r) before it) that gathers single
-weight columns from the packed weight; on the H200 it costs as much as the main loop
-(docs/benchmarks.md). "fused": `act_quant` folds the dequantized residual into the fp16
-activation tile on the compensation channels (v[S] = xq[S] + rq S_dec(r)/S_dec(x), one fp16
-rounding, 2^-12 relative), so this kernel runs without `r` and moves exactly the W4A4 bytes.
+RAC on Hopper, y = xq Wq^T + rq Wq[:, S]^T, is a second, short K loop over the k gathered
+channels (`r=` in `launch_gemm`; own per-row S_dec, the accumulator is rescaled by
+S_dec(x) / S_dec(r) before it) that gathers single weight columns from the packed weight; on
+the H200 it costs as much as the main loop (docs/benchmarks.md). (A form that folded the
+residual into the fp16 activation tile was removed: it failed its GPU accuracy test.)
 """
 
 from __future__ import annotations

@@ -1,50 +1,34 @@
 """Public rollout ops `w4a4_linear` and `w4a4_fused_moe` (docs/interfaces.md): validation, dispatch, launches.
 
-RAC on Hopper has two forms (QUADS_RAC_HOPPER): "exact" (default) runs the residual as a
-short K + k loop in the GEMM and equals the reference at fp32-accumulation level; "fused"
-folds the residual into the fp16 activation tile on the k compensation channels in the
-pre-pass (one fp16 rounding there, 2^-12 relative), so the GEMM is the plain W4A4 kernel.
-docs/benchmarks.md has both timings.
+RAC on Hopper runs the residual exactly: a short K + k loop in the GEMM over the k gathered
+compensation channels (own per-row S_dec), equal to the reference at fp32-accumulation level.
 
-Dispatch: CUDA tensors (or TRITON_INTERPRET=1) run the Triton kernels; on SM100+ with
-FlashInfer installed, the dense W4A4 linear takes the native FP4 path (`blackwell.py`);
-CPU tensors run the torch reference (the same function) unless QUADS_KERNELS_ON_CPU=triton
-and Triton's interpreter is on (TRITON_INTERPRET=1), as in the kernel tests.
+Dispatch, once per call, by `quads_megatron.nvfp4.resolve_backend(x.device, backend)`
+(`backend=` argument, else QUADS_BACKEND, else Triton on CUDA and torch on CPU): "torch" runs
+the torch reference (`reference.py`, the same function); "triton" runs the Triton kernels (on
+CPU tensors in Triton's interpreter, TRITON_INTERPRET=1, as in the kernel tests); on SM100+
+with FlashInfer installed the dense W4A4 linear takes the native FP4 path (`blackwell.py`).
+`check_inputs=False` skips the value checks that sync the host (comp_index range and order,
+expert ids); shape and dtype checks always run, and value checks are skipped automatically
+while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
+
+from quads_megatron.nvfp4 import resolve_backend
 
 from . import reference
 from ._checks import (check_act_mode, check_activation, check_comp, check_moe_inputs,
                       check_packed_weight)
 from .act_quant import quantize_activation_rac
-from .gemm import default_config, interpreting, launch_gemm
+from .gemm import default_config, launch_gemm
 from .routing import moe_align_block_size
 
 __all__ = ["w4a4_linear", "w4a4_fused_moe"]
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    """CUDA tensors run the kernels; CPU tensors run them in Triton's interpreter only when
-    QUADS_KERNELS_ON_CPU=triton (kernel tests), else the torch reference (faster on CPU)."""
-    if x.is_cuda:
-        return True
-    return interpreting() and os.environ.get("QUADS_KERNELS_ON_CPU", "reference") == "triton"
-
-
-def _rac_fused() -> bool:
-    """QUADS_RAC_HOPPER=fused folds the residual into the activation tile (faster GEMM, one
-    fp16 rounding on the k channels); the default "exact" runs the K + k residual loop, which
-    matches the reference at fp32 level (the SGLang plugin's tests compare bit for bit)."""
-    mode = os.environ.get("QUADS_RAC_HOPPER", "exact")
-    if mode not in ("exact", "fused"):
-        raise ValueError(f"QUADS_RAC_HOPPER: expected 'exact' or 'fused', got {mode!r}")
-    return mode == "fused"
 
 
 def _same_device(x: torch.Tensor, **tensors) -> None:
@@ -56,19 +40,24 @@ def _same_device(x: torch.Tensor, **tensors) -> None:
 def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 weight_scale_2: torch.Tensor, *, act_mode: str,
                 comp_index: Optional[torch.Tensor] = None, input_scale=None,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x Wq^T (+ bias) with NVFP4 weights; act_mode w4a4 | w4a4_rac | w4a16. x [..., K] -> [..., N]."""
+                bias: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                check_inputs: bool = True) -> torch.Tensor:
+    """y = x Wq^T (+ bias) with NVFP4 weights; act_mode w4a4 | w4a4_rac | w4a16. x [..., K] -> [..., N].
+
+    backend: "triton" | "torch" | None (`resolve_backend`); check_inputs=False: no host-syncing
+    value checks."""
     check_act_mode(act_mode)
     n, k = check_packed_weight(weight, weight_scale, weight_scale_2, ndim=2, name="weight")
     check_activation(x, k)
-    comp = check_comp(act_mode, comp_index, k)
+    comp = check_comp(act_mode, comp_index, k, check_inputs=check_inputs)
     if comp is not None and comp.ndim != 1:
         raise ValueError("comp_index: a dense linear takes one set [k]")
     _same_device(x, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2,
                  comp_index=comp, bias=bias)
-    if not _use_triton(x):
+    if resolve_backend(x.device, backend) == "torch":
         return reference.w4a4_linear(x, weight, weight_scale, weight_scale_2, act_mode=act_mode,
-                                     comp_index=comp_index, input_scale=input_scale, bias=bias)
+                                     comp_index=comp_index, input_scale=input_scale, bias=bias,
+                                     check_inputs=False)
     if act_mode == "w4a4" and x.is_cuda:
         from . import blackwell
 
@@ -85,9 +74,8 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if act_mode == "w4a16":
         launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
     else:
-        fused = _rac_fused()
-        qa = quantize_activation_rac(x2d, comp, input_scale, fuse_residual=fused)
-        r = None if comp is None or fused else (qa.r_values, qa.r_s_dec)
+        qa = quantize_activation_rac(x2d, comp, input_scale)
+        r = None if comp is None else (qa.r_values, qa.r_s_dec)
         launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp, bias=b)
     return out.view(*x.shape[:-1], n)
 
@@ -97,18 +85,21 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_scale_2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    *, act_mode: str, w13_comp_index: Optional[torch.Tensor] = None,
                    w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
-                   w2_input_scale=None) -> torch.Tensor:
-    """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
+                   w2_input_scale=None, backend: Optional[str] = None,
+                   check_inputs: bool = True) -> torch.Tensor:
+    """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+
+    backend and check_inputs as in `w4a4_linear`."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
         x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
-        act_mode, w13_comp_index, w2_comp_index)
+        act_mode, w13_comp_index, w2_comp_index, check_inputs)
     _same_device(x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights,
                  w13_comp_index=c13, w2_comp_index=c2)
-    if not _use_triton(x):
+    if resolve_backend(x.device, backend) == "torch":
         return reference.w4a4_fused_moe(
             x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
             act_mode=act_mode, w13_comp_index=w13_comp_index, w2_comp_index=w2_comp_index,
-            w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
+            w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale, check_inputs=False)
     tokens, topk = topk_ids.shape
     m = tokens * topk
     out = torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
@@ -121,15 +112,14 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(m, 2 * f, dtype=x.dtype, device=x.device)
-    fused = _rac_fused()
     if act_mode == "w4a16":
         launch_gemm(x, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
                     routing=routing, a_row_div=topk, config=cfg1)
         g, u = inter.to(torch.float32).split(f, dim=-1)
         h = (torch.nn.functional.silu(g) * u).to(x.dtype)
     else:
-        qa = quantize_activation_rac(x, c13, w13_input_scale, fuse_residual=fused)
-        r = None if c13 is None or fused else (qa.r_values, qa.r_s_dec)
+        qa = quantize_activation_rac(x, c13, w13_input_scale)
+        r = None if c13 is None else (qa.r_values, qa.r_s_dec)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_index=c13, routing=routing, a_row_div=topk, config=cfg1)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
@@ -139,9 +129,8 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                     topk_weights=tw, config=cfg2)
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
-        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
-                                     fuse_residual=fused)
-        r = None if c2 is None or fused else (qh.r_values, qh.r_s_dec)
+        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True)
+        r = None if c2 is None else (qh.r_values, qh.r_s_dec)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_index=c2, routing=routing, topk_weights=tw, config=cfg2)
     return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)

@@ -1,8 +1,7 @@
 """Plain-torch references of `w4a4_linear` and `w4a4_fused_moe`, built on `quads_megatron.nvfp4` and `quads_megatron.rac`.
 
 They define what the Triton kernels compute (fp32 math on dequantized values; the kernels
-accumulate the exact E2M1 x E4M3 products in fp32 and apply the fp32 global scales last;
-with QUADS_RAC_HOPPER=fused they also round xq + rq once to fp16 on the k RAC channels):
+accumulate the exact E2M1 x E4M3 products in fp32 and apply the fp32 global scales last):
 - w4a4:     y = dq(q(x)) Wq^T                       (per-token or static activation scale)
 - w4a4_rac: y = dq(q(x)) Wq^T + dq(q(r)) Wq[:, S]^T (see `quads_megatron.rac`)
 - w4a16:    y = x Wq^T
@@ -26,12 +25,14 @@ __all__ = ["w4a4_linear", "w4a4_fused_moe", "dequantize_weight"]
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
-                      weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """Wq in fp32 from ModelOpt tensors ([N, K//2] with a scalar scale_2, or [E, N, K//2] with [E])."""
+                      weight_scale_2: torch.Tensor, backend=None) -> torch.Tensor:
+    """Wq in fp32 from ModelOpt tensors ([N, K//2] with a scalar scale_2, or [E, N, K//2] with [E]).
+
+    backend: passed to `quads_megatron.nvfp4.dequantize` (the references pass "torch")."""
     gs = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device)
     gs = gs.reshape(-1, 1, 1) if weight.ndim == 3 else gs.reshape(())
     q = NVFP4Tensor.from_modelopt(weight, weight_scale, gs)
-    return dequantize(q, torch.float32)
+    return dequantize(q, torch.float32, backend=backend)
 
 
 def _linear_fp32(x2d: torch.Tensor, w: torch.Tensor, act_mode: str,
@@ -49,13 +50,15 @@ def _linear_fp32(x2d: torch.Tensor, w: torch.Tensor, act_mode: str,
 def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 weight_scale_2: torch.Tensor, *, act_mode: str,
                 comp_index: Optional[torch.Tensor] = None, input_scale=None,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Reference W4A4 / W4A4+RAC / W4A16 linear: x [..., K] -> [..., N] in x.dtype."""
+                bias: Optional[torch.Tensor] = None, check_inputs: bool = True) -> torch.Tensor:
+    """Reference W4A4 / W4A4+RAC / W4A16 linear: x [..., K] -> [..., N] in x.dtype.
+
+    check_inputs=False skips the value checks of comp_index (host syncs), as in `ops`."""
     check_act_mode(act_mode)
     n, k = check_packed_weight(weight, weight_scale, weight_scale_2, ndim=2, name="weight")
     check_activation(x, k)
-    comp = check_comp(act_mode, comp_index, k)
-    w = dequantize_weight(weight, weight_scale, weight_scale_2)
+    comp = check_comp(act_mode, comp_index, k, check_inputs=check_inputs)
+    w = dequantize_weight(weight, weight_scale, weight_scale_2, backend="torch")
     x2d = x.reshape(-1, k)
     y = _linear_fp32(x2d, w, act_mode, comp, input_scale)
     if bias is not None:
@@ -68,13 +71,13 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_scale_2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    *, act_mode: str, w13_comp_index: Optional[torch.Tensor] = None,
                    w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
-                   w2_input_scale=None) -> torch.Tensor:
+                   w2_input_scale=None, check_inputs: bool = True) -> torch.Tensor:
     """Reference NVFP4 MoE: sum_j w_j * fc2_e(SiLU(gate_e) * up_e), e = topk_ids[t, j]."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
         x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
-        act_mode, w13_comp_index, w2_comp_index)
-    w13f = dequantize_weight(w13, w13_scale, w13_scale_2)
-    w2f = dequantize_weight(w2, w2_scale, w2_scale_2)
+        act_mode, w13_comp_index, w2_comp_index, check_inputs)
+    w13f = dequantize_weight(w13, w13_scale, w13_scale_2, backend="torch")
+    w2f = dequantize_weight(w2, w2_scale, w2_scale_2, backend="torch")
     tokens, topk = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     out_rows = torch.zeros(tokens * topk, hidden, dtype=x.dtype, device=x.device)

@@ -245,7 +245,7 @@ def check_ep(rank: int, x: torch.Tensor) -> None:
 
 def main() -> None:
     rank, port = int(sys.argv[1]), int(sys.argv[2])
-    os.environ.setdefault("QUADS_KERNELS_ON_CPU", "reference")
+    os.environ.setdefault("QUADS_BACKEND", "torch")
     init(rank, port)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     check_qkv(rank, x)

@@ -22,7 +22,7 @@ PREFIX = "model.layers.0.mlp."
 def triton_kernels_on_cpu(monkeypatch):
     """Run the layers' apply through the Triton kernels (the interpreter on CPU), not the torch
     reference the ops fall back to on CPU, so the comparison below is kernel vs reference."""
-    monkeypatch.setenv("QUADS_KERNELS_ON_CPU", "triton")
+    monkeypatch.setenv("QUADS_BACKEND", "triton")
 
 
 def _disk_tensors(path) -> dict:

@@ -22,7 +22,7 @@ E, H, F, TOPK, RAC_K = 4, 64, 32, 2, 16
 def triton_kernels_on_cpu(monkeypatch):
     """Run the layers' apply through the Triton kernels (the interpreter on CPU), not the torch
     reference the ops fall back to on CPU, so the comparison below is kernel vs reference."""
-    monkeypatch.setenv("QUADS_KERNELS_ON_CPU", "triton")
+    monkeypatch.setenv("QUADS_BACKEND", "triton")
 
 
 def _config(mode: str, scaling: str):
@@ -154,7 +154,7 @@ def test_twenty_reload_cycles_keep_identity_and_outputs(sglang_runtime, monkeypa
 
     # 20 cycles x the Triton interpreter is slow on 2 cores; the kernel-vs-reference equality
     # is checked by the apply tests above, here the torch path checks the reload plumbing
-    monkeypatch.setenv("QUADS_KERNELS_ON_CPU", "reference")
+    monkeypatch.setenv("QUADS_BACKEND", "torch")
     x, topk = routed
     cfg = _config("w4a4_rac", "static")
     layer = _build(cfg)
