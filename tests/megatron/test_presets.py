@@ -50,3 +50,15 @@ def test_cpu_support_patches_and_maps_cuda_to_cpu():
     with cpu.cuda_to_cpu():
         t = torch.zeros(2, device="cuda")
         assert t.device.type == "cpu" and t.cuda() is t and t.type() == "torch.cuda.FloatTensor"
+
+
+def test_hf_config_keeps_the_router_normalisation():
+    """norm_topk_prob=False maps to pre_softmax routing and back (it was hard-coded True)."""
+    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_config
+
+    for norm in (True, False):
+        hf = hf_qwen3_moe_config_dict(qwen3_moe_config("tiny"), 256, 64)
+        hf["norm_topk_prob"] = norm
+        cfg = qwen3_moe_config("tiny", **qwen3_moe.megatron_config_kwargs(hf))
+        assert hf_qwen3_moe_config_dict(cfg, 256, 64)["norm_topk_prob"] is norm
