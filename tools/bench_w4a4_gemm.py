@@ -5,7 +5,7 @@ T in {16, 64, 256, 1024, 4096}: fc1 (N = 1536, K = 2048) and fc2 (N = 2048, K = 
 GEMMs over expert-sorted rows (balanced routing), the activation quantization (+RAC) pre-pass,
 RAC in its exact K + k form (residual loop in the GEMM, the only RAC path), the whole fused MoE,
 and one dense linear. Baselines: torch._grouped_mm (BF16) and
-torch._scaled_grouped_mm (FP8 e4m3, row-wise scales) called as in ../shared/notes/h200_anchors.py.
+torch._scaled_grouped_mm (FP8 e4m3, row-wise scales) called as the H200 baseline anchors do.
 Median of CUDA-event timings of CUDA-graph replays (10 calls per graph) after warm-up, so host
 launch overhead is excluded (SGLang decodes under CUDA graphs); weights are larger than L2
 (dense: rotated copies).

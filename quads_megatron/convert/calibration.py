@@ -186,7 +186,7 @@ def calibrate(model, prompts, *, rac_stats: bool = False, static_scaling: bool =
         return result
     H, F = model.config.hidden_size, model.config.moe_intermediate_size
     scale = (lambda a: nvfp4.global_decode_scale(a)) if static_scaling else (lambda a: None)
-    for layer, c in result.items():
+    for c in result.values():
         c.fc1_stats = rac.ActivationStats(H, input_scale=scale(c.fc1_amax))
         c.fc2_routed = [rac.ActivationStats(F, input_scale=scale(c.fc2_amax[e])) for e in range(E)]
         c.fc2_all = [rac.ActivationStats(F, input_scale=scale(c.fc2_amax[e])) for e in range(E)]

@@ -3,7 +3,7 @@
 Why our own table: Megatron-Bridge (newest for Python 3.11: 0.3.1) pulls CUDA-only packages,
 needs transformers 4.x and fails Megatron -> HF for SequentialMLP experts; mbridge 0.15.1
 hard-codes the TE layer spec and grouped GEMM and breaks on transformers 5 (see
-``/work/shared/notes/conversion-bridges.md``).  Neither runs on CPU with megatron-core 0.16.1 +
+the conversion-bridges note of the project).  Neither runs on CPU with megatron-core 0.16.1 +
 transformers 5.19, so -- as slime does -- this module keeps one small, data-like table per
 architecture that a bridge can replace later.
 

@@ -4,8 +4,9 @@
 ``quads_megatron.plan.rollout_schema``): the weights the ``QuantPlan`` marks NVFP4 (routed experts,
 and attention when the recipe's scope has it) as ModelOpt tensors (``weight`` uint8,
 ``weight_scale`` e4m3, ``weight_scale_2`` fp32 -- gate+up and q+k+v sharing it -- and
-``input_scale`` fp32), the RAC channel sets as int32 ``input_comp_index``, everything else as it was; config.json gets ``quantization_config``
-with ``quant_method: "quads"`` and ``hf_quant_config.json`` the ModelOpt-style summary.
+``input_scale`` fp32), the RAC channel sets as int32 ``input_comp_index``, everything else as it
+was; config.json gets ``quantization_config`` with ``quant_method: "quads"`` and
+``hf_quant_config.json`` the ModelOpt-style summary.
 ``--format modelopt`` writes a plain ModelOpt NVFP4 (W4A4, ``quant_algo: NVFP4``) checkpoint that
 stock SGLang / vLLM load as ``modelopt_fp4``.  All NVFP4 numbers come from ``quads_megatron.nvfp4``,
 so dequantizing a weight gives exactly the trainer's ``fake_quantize`` of it.

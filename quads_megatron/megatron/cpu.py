@@ -1,7 +1,7 @@
 """Run Megatron-Core (0.16.1, 0.19.x) MoE GPT models on CPU with gloo, by patching its CUDA-only calls.
 
-Megatron-Core assumes CUDA in a handful of places (see ``/work/shared/notes/megatron-cpu.md``
-for how each was found).  ``setup_megatron_cpu()`` patches exactly those, and only when
+Megatron-Core assumes CUDA in a handful of places (each patch below names the call it
+replaces).  ``setup_megatron_cpu()`` patches exactly those, and only when
 ``torch.cuda.is_available()`` is False (the CUDA build of torch on a CPU machine counts as no
 CUDA).  It is idempotent and a no-op on a GPU machine, so tests, examples and CPU users can all
 call it unconditionally before building a model.
@@ -137,7 +137,7 @@ def _patch_torch_norm():
                              f"not {config.normalization!r}")
         module = norm_cls(normalized_shape=hidden_size, eps=eps)
         for param in module.parameters():
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
         return module
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(_norm_new)

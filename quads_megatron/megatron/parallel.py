@@ -29,7 +29,7 @@ def initialize_distributed(tp: int = 1, ep: int = 1, etp=None, pp: int = 1, seed
     Megatron's tracker identically on every rank; ``model.build_gpt_model`` then gives each
     expert its own seed (CPU initialisation otherwise makes experts equal across EP ranks).
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     usable = cpu.cuda_usable()
     backend = backend or ("nccl" if usable else "gloo")

@@ -21,12 +21,6 @@ def mismatch_stats(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
     }
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy of softmax(logits) over the last dimension (fp32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 class StepLogger:
     """Writes scalars/histograms to TensorBoard (rank 0) and prints one compact line per step."""
 

@@ -8,7 +8,7 @@ packed NVFP4 activation (codes, E4M3 scales, per-row S_dec: what a native FP4 GE
 checkpoint tools read) plus its exact fp16 values e2m1 * e4m3 * 2^-7 (what the Hopper GEMM
 multiplies). Output is bit-identical to `quads_megatron.rac.quantize_compensated` (i.e.
 `quantize(x, per_row=True)` / static `quantize(x, amax=...)`, and `quantize(r, per_row=True)`
-for the residual): the block encode is the lead's `nvfp4_block_quantize`; decodes use
+for the residual): the block encode is nvfp4's `nvfp4_block_quantize`; decodes use
 `e2m1_decode` / `e4m3_decode`.
 """
 

@@ -13,10 +13,10 @@ per clock at HBM speed, 32 elements, against ~64 integer ops per clock), so the 
 decodes 32-bit words: one shift-and-mask pair yields two fp16 bit patterns (E2M1 bits moved
 into the fp16 exponent/mantissa, i.e. the value times 2^-14), the E4M3 scale is moved into
 fp16 the same way, and one fp16 multiply gives value * scale * 2^-7. `decode_words_f16` is
-tested bit-exact against the lead's `e2m1_decode`/`e4m3_decode` on every byte and every
+tested bit-exact against `quads_megatron.nvfp4.triton_kernels`' `e2m1_decode`/`e4m3_decode` on every byte and every
 finite scale. The activation tile is not decoded here: `act_quant` writes it as the same
 exact fp16 (e2m1 * e4m3 * 2^-7) next to the packed codes, so the decode work per program is
-the weight tile only. The RAC weight gather uses the lead's helpers directly.
+the weight tile only. The RAC weight gather uses nvfp4's Triton helpers directly.
 
 RAC on Hopper, y = xq Wq^T + rq Wq[:, S]^T, is a second, short K loop over the k gathered
 channels (`r=` in `launch_gemm`; own per-row S_dec, the accumulator is rescaled by

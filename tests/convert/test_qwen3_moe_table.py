@@ -12,7 +12,7 @@ def test_hf_shapes_are_what_transformers_saves(tiny_hf):
         dims = qwen3_moe.dims_from_hf_config(ckpt.config)
         ckpt.validate(qwen3_moe.hf_shapes(dims), dtype=torch.bfloat16)
         assert "model.layers.1.mlp.experts.3.gate_proj.weight" in ckpt
-    covered = {n for r, l, e in qwen3_moe.iter_rule_instances(dims) for n in qwen3_moe.hf_names(r, l, e)}
+    covered = {n for r, layer, e in qwen3_moe.iter_rule_instances(dims) for n in qwen3_moe.hf_names(r, layer, e)}
     assert covered == set(qwen3_moe.hf_shapes(dims))
 
 

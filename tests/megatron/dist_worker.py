@@ -9,7 +9,6 @@ The ``__main__`` guard is required: dist_checkpointing's async writer spawns a M
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist

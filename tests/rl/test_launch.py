@@ -20,11 +20,8 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("flag,shards", [
-    ("--expert-model-parallel-size", ["mp_rank_00_000", "mp_rank_00_001"]),
-    ("--tensor-model-parallel-size", ["mp_rank_00_000", "mp_rank_01_000"]),
-])
-def test_torchrun_two_ranks(tmp_path, flag, shards):
+@pytest.mark.parametrize("flag", ["--expert-model-parallel-size", "--tensor-model-parallel-size"])
+def test_torchrun_two_ranks(tmp_path, flag):
     """EP=2 / TP=2 over gloo: experts and vocab-parallel logits gathered right (gap ~1e-7, not ~1e-1)."""
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
@@ -36,7 +33,9 @@ def test_torchrun_two_ranks(tmp_path, flag, shards):
     out = json.loads(summary.read_text())
     assert out["steps"] == 2
     assert all(h["gap"] < 1e-5 for h in out["history"]), out["history"]
-    assert sorted(p.name for p in (tmp_path / "ck" / "iter_0000002").iterdir()) == shards
+    # one Megatron dist_checkpointing iteration for both ranks (any layout loads it)
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (tmp_path / "ck" / "iter_0000002" / "metadata.json").is_file()
 
 
 def test_bash_and_python_entry_points():
