@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from quads_megatron import vocab
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of train_grpo_moe; defaults are the 2-CPU-core tiny run."""
@@ -65,15 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sft-lr", type=float, default=3e-3)
     g.add_argument("--sft-batch-size", type=int, default=64)
 
-    g = p.add_argument_group("precision")
-    g.add_argument("--quads-train", choices=["bf16", "aqat"], default="aqat",
-                   help="trainer: plain high precision, or Asymmetric QAT (NVFP4 fake-quantized expert weights)")
+    g = p.add_argument_group("precision (spellings of the QuadsRecipe fields; the QuantPlan decides per weight)")
+    g.add_argument("--quads-train", choices=vocab.precision_choices(train=True), default=None,
+                   help="trainer precision of the quantized weights: bf16, aqat (= w4a16: NVFP4 fake-quantized "
+                        "weights, BF16 activations; the default) or the symmetric w4a4 baseline")
     g.add_argument("--quads-recipe", default=None, help="QuadsRecipe JSON file (default recipe otherwise)")
-    g.add_argument("--rollout-precision", choices=["bf16", "w4a16", "w4a4", "quads"], default="quads",
-                   help="rollout experts: high precision, NVFP4 weights only, W4A4, W4A4 + RAC")
-    g.add_argument("--rac-channels", type=int, default=16, help="RAC compensation channels per GEMM (multiple of 16)")
-    g.add_argument("--rollout-quantize-attention", action="store_true",
-                   help="also run the attention projections through the W4A4 linear kernel")
+    g.add_argument("--rollout-precision", choices=vocab.precision_choices(), default=None,
+                   help="rollout GEMMs: bf16, w4a16 (NVFP4 weights only), w4a4, w4a4_rac (= quads: W4A4 + RAC; "
+                        "the default)")
+    g.add_argument("--activation-scaling", choices=[s.value for s in vocab.ActivationScaling], default=None,
+                   help="W4A4 activation scales (default: the recipe's, per_token)")
+    g.add_argument("--rac-channels", type=int, default=None,
+                   help="RAC compensation channels per GEMM (multiple of 16; default: the recipe's, 16)")
+    g.add_argument("--quads-scope", nargs="+", choices=[s.value for s in vocab.Scope], default=None,
+                   help="weights to quantize in trainer and rollout alike (default: the recipe's, routed_experts)")
 
     g = p.add_argument_group("rollout engine")
     g.add_argument("--rollout-engine", choices=["local", "sglang"], default="local")
@@ -128,6 +135,24 @@ def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def resolve_recipe(args):
+    """The run's QuadsRecipe: --quads-recipe (or the default) with the precision flags applied."""
+    from quads_megatron.recipe import QuadsRecipe
+
+    recipe = QuadsRecipe()
+    if args.quads_recipe:
+        try:
+            recipe = QuadsRecipe.from_json(open(args.quads_recipe).read())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--quads-recipe {args.quads_recipe}: {e}") from None
+    return recipe.replace(
+        train_precision=args.quads_train and vocab.parse_precision(args.quads_train, "--quads-train"),
+        rollout_precision=args.rollout_precision and vocab.parse_precision(args.rollout_precision,
+                                                                           "--rollout-precision"),
+        activation_scaling=args.activation_scaling, rac_channels=args.rac_channels,
+        scope=tuple(args.quads_scope) if args.quads_scope else None)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and cross-check flags; errors name the flag."""
     p = build_parser()
@@ -148,8 +173,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.exit(2, f"{p.prog}: error: --save {args.save} already holds a checkpoint ({held}) that this run would "
                   f"not continue from{load}; pass --resume to continue it, a new --save directory, or --force "
                   "to start over and replace it\n")
-    if args.rac_channels % 16 or args.rac_channels < 0:
-        p.error(f"--rac-channels {args.rac_channels}: must be a non-negative multiple of 16")
+    try:
+        args.recipe = resolve_recipe(args)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     if args.sglang_launch:
         args.rollout_engine = "sglang"
     if args.rollout_engine == "sglang" and not args.sglang_url and not args.sglang_launch:
@@ -160,7 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sft_iters is None:
         args.sft_iters = 0 if args.hf_checkpoint else 60
     if args.exp_name is None:
-        args.exp_name = f"grpo_{args.preset}_{args.quads_train}_{args.rollout_precision}"
+        args.exp_name = (f"grpo_{args.preset}_{args.recipe.train_precision.value}_"
+                         f"{args.recipe.rollout_precision.value}")
     if args.tensorboard_dir is None:
         args.tensorboard_dir = os.path.join("runs", args.exp_name)
     return args

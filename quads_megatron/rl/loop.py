@@ -117,7 +117,7 @@ class GRPOTrainer:
 
                 run_dir = Path(a.tensorboard_dir) / "sglang"
                 calib = [s.prompt for s in self.task.train_batch(64, seed=-1)]
-                ckpt_dir = export_rollout_checkpoint(self.policy, self.tokenizer, run_dir, a.rac_channels, calib)
+                ckpt_dir = export_rollout_checkpoint(self.policy, self.tokenizer, run_dir, calib)
                 url = f"http://127.0.0.1:{a.sglang_port}"
                 if _rank0():
                     url, self._server = launch_server(ckpt_dir, a.sglang_port, shlex.split(a.sglang_server_args),
@@ -130,11 +130,8 @@ class GRPOTrainer:
                                 router_url=a.sglang_router_url)
         from .engines.local import LocalEngine
 
-        opts = {"rac_channels": a.rac_channels, "quantize_attention": a.rollout_quantize_attention}
-        if self.policy.recipe is not None:
-            opts["recipe"] = self.policy.recipe
-        return LocalEngine(self.policy.hf_config(), precision=a.rollout_precision, max_seq_len=a.seq_length,
-                           pad_token_id=self.pad, quant_options=opts)
+        return LocalEngine(self.policy.hf_config(), self.policy.plan, max_seq_len=a.seq_length,
+                           pad_token_id=self.pad)
 
     # ------------------------------------------------------------------ pieces of a step
     def sync_weights(self):
@@ -151,7 +148,7 @@ class GRPOTrainer:
             self.engine.update_weights(weights)
         if sglang and dist.is_initialized():
             dist.barrier()
-        if hasattr(self.engine, "calibrate") and self.args.rollout_precision != "bf16":
+        if hasattr(self.engine, "calibrate") and self.policy.plan.rollout_precision.quantizes_activations:
             calib = self.task.train_batch(16, seed=-1)
             self.engine.calibrate([encode_prompt(self.tokenizer, s.prompt) for s in calib])
 
@@ -396,13 +393,14 @@ class GRPOTrainer:
             "pass@1_before": self.history[0].get("pass_before") if self.history else None,
             "pass@1_after": passes[-1] if passes else None,
             "mean_logprob_abs_diff": sum(h["gap"] for h in steps) / len(steps) if steps else None,
-            "rollout_precision": self.args.rollout_precision, "quads_train": self.args.quads_train,
+            "rollout_precision": self.args.recipe.rollout_precision.value,
+            "train_precision": self.args.recipe.train_precision.value,
             "tensorboard_dir": str(self.args.tensorboard_dir),
             "history": steps,
         }
         if _rank0():
             fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-            text = (f"summary ({out['quads_train']} trainer, {out['rollout_precision']} rollout, {out['steps']} steps): "
+            text = (f"summary ({out['train_precision']} trainer, {out['rollout_precision']} rollout, {out['steps']} steps): "
                     f"reward {fmt(out['reward_before'])} -> {fmt(out['reward_after'])} (mean of first/last {k} steps), "
                     f"pass@1 {fmt(out['pass@1_before'])} -> {fmt(out['pass@1_after'])}, "
                     f"mean |logp_train - logp_rollout| {fmt(out['mean_logprob_abs_diff'])}")

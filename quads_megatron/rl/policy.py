@@ -51,12 +51,12 @@ class MegatronPolicy:
         self.model = build_gpt_model(self.config, self.padded_vocab_size, args.seq_length,
                                      rotary_base=self.rotary_base, expert_seed=args.seed,
                                      share_embeddings_and_output_weights=tie)
-        self.recipe = None
-        if args.quads_train == "aqat":
-            from quads_megatron.megatron import apply_quads
-            from quads_megatron.recipe import QuadsRecipe
+        # One recipe and its plan decide what is NVFP4 for the trainer, the sync and the rollout engine.
+        from quads_megatron.megatron.aqat import apply_quads, plan_for_model
 
-            self.recipe = QuadsRecipe.from_json(args.quads_recipe) if args.quads_recipe else QuadsRecipe()
+        self.recipe = args.recipe
+        self.plan = plan_for_model(self.model, self.recipe)
+        if self.plan.train_quantizes:
             self.model = apply_quads(self.model, self.recipe)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps, weight_decay=args.weight_decay)
@@ -134,7 +134,7 @@ class MegatronPolicy:
         if math.isfinite(norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if self.recipe is not None:
+        if self.plan.train_quantizes:
             from quads_megatron.megatron import post_optimizer_hook
 
             post_optimizer_hook(self.model)
@@ -170,24 +170,20 @@ class MegatronPolicy:
     def hf_weights(self, quantized: bool = False):
         """(HF name, tensor) pairs of the full model, gathered over TP/EP (the converter's in-memory path).
 
-        quantized: routed experts come out as ModelOpt NVFP4 triples (what an SGLang quads server loads).
+        quantized: the plan's NVFP4 weights come out as ModelOpt triples (what an SGLang quads server loads).
         """
         from quads_megatron.convert import iter_hf_weights
+        from quads_megatron.plan import quantize_named_params
 
-        scope = None
-        if quantized:
-            from quads_megatron.convert.nvfp4_export import QuantScope
-
-            block = tuple(self.recipe.block_shape) if self.recipe is not None else (1, 16)
-            scope = QuantScope(block_shape=block)
-        return iter_hf_weights(self.model, vocab_size=self.vocab_size, scope=scope)
+        named = iter_hf_weights(self.model, vocab_size=self.vocab_size)
+        return quantize_named_params(named, self.plan) if quantized else named
 
     def load_hf_checkpoint(self) -> None:
         """Fill the model from --hf-checkpoint (the converters' HF -> Megatron path)."""
         from quads_megatron.convert.hf_to_megatron_weights import load_hf_into_megatron
 
         load_hf_into_megatron(self.model, self.hf_ckpt, progress=False)
-        if self.recipe is not None:
+        if self.plan.train_quantizes:
             from quads_megatron.megatron import post_optimizer_hook
 
             post_optimizer_hook(self.model)  # drop fake-quant caches of the initial weights
