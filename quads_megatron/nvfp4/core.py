@@ -47,7 +47,8 @@ def amax_of(x: torch.Tensor, per_row: bool = False, *,
     """max|x| in fp32: a scalar, or `[..., 1]` per row of the last dimension.
 
     backend: "triton" | "torch" | None (`resolve_backend`); Triton reads float tensors once
-    with one kernel (other dtypes, and empty tensors, take the torch code)."""
+    with one kernel (other dtypes, and empty tensors, take the torch code). Equal for finite
+    x; NaN propagates in torch but not reliably in the kernel (quantize checks finiteness)."""
     if x.dtype in _FLOAT_DTYPES and x.numel() and resolve_backend(x, backend) == "triton":
         from . import triton_kernels
 

@@ -1,5 +1,6 @@
 """Hypothesis properties of NVFP4 quantization (>= 1000 examples each in CI)."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,3 +104,20 @@ def test_fake_quantize_is_dequantize_of_quantize_with_identity_gradient(x, per_r
     g = torch.randn_like(y)
     y.backward(g)
     assert torch.equal(x.grad, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fake_quantize_triton_matches_torch_gpu(per_row, dtype):
+    """Full-size variant of the property above: the CUDA kernel against the torch reference."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 2048, generator=g) * torch.exp2(torch.randint(-20, 20, (4096, 1),
+                                                                        generator=g).float())
+    x = x.to(dtype).cuda().requires_grad_(True)
+    y = nvfp4.fake_quantize(x, per_row=per_row, backend="triton")
+    ref = nvfp4.dequantize(nvfp4.quantize(x.detach(), per_row=per_row, backend="torch"), dtype,
+                           backend="torch")
+    assert torch.equal(y.detach(), ref)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, torch.ones_like(x))
