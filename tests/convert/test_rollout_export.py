@@ -43,7 +43,7 @@ def _nvfp4(ckpt, base):
 def test_nvfp4_weights_dequantize_to_the_trainers_fake_quantize(tiny_hf, quads_ckpt):
     with HFCheckpoint(tiny_hf) as src, HFCheckpoint(quads_ckpt) as out:
         dims = qwen3_moe.dims_from_hf_config(src.config)
-        for layer, e, p in _expert_bases(dims):
+        for _layer, _e, p in _expert_bases(dims):
             gate, up, down = (src.get(p + n) for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
             shared = nvfp4.shared_amax([gate, up])
             for proj, w, amax in (("gate_proj", gate, shared), ("up_proj", up, shared), ("down_proj", down, None)):
@@ -71,13 +71,13 @@ def test_modelopt_dequantizes_the_checkpoint_to_the_same_values(quads_ckpt):
 
 
 def test_quads_config_and_calibrated_activation_tensors(tiny_hf, quads_ckpt):
-    from sglang_ext.checkpoint_format import parse_quantization_config
+    from quads_megatron.plan.rollout_schema import parse_quantization_config
     from transformers import Qwen3MoeForCausalLM
 
     cfg = json.loads((quads_ckpt / "config.json").read_text())
     qc = cfg["quantization_config"]
     settings = parse_quantization_config(qc, env={})
-    assert (settings.activation_mode, settings.activation_scaling, settings.rac_num_channels) == ("w4a4_rac", "per_token", K)
+    assert (settings.precision, settings.activation_scaling, settings.rac_channels) == ("w4a4_rac", "per_token", K)
     assert qc["quant_method"] == "quads" and "model.layers.*.mlp.gate" in qc["exclude_modules"]
     summary = json.loads((quads_ckpt / "hf_quant_config.json").read_text())
     assert summary["quantization"]["quant_algo"] == "NVFP4" and summary["quads"] == qc
@@ -97,7 +97,7 @@ def test_quads_config_and_calibrated_activation_tensors(tiny_hf, quads_ckpt):
             w2 = torch.stack([_nvfp4(out, f"{p}{e}.down_proj").dequantize(torch.float32)
                               for e in range(dims.num_experts)])
             indices[layer] = calib[layer].comp_indices(w13, w2, K)
-        for layer, e, p in _expert_bases(dims):
+        for _layer, _e, p in _expert_bases(dims):
             c, (fc1_idx, fc2_idx) = calib[layer], indices[layer]
             for proj in ("gate_proj", "up_proj"):
                 assert torch.equal(out.get(p + proj + ".input_scale"), nvfp4.global_decode_scale(c.fc1_amax))
@@ -113,7 +113,7 @@ def test_quads_config_and_calibrated_activation_tensors(tiny_hf, quads_ckpt):
 
 
 def test_modelopt_format_is_plain_modelopt_nvfp4(quads_ckpt, modelopt_ckpt):
-    from sglang_ext.checkpoint_format import is_modelopt_nvfp4
+    from quads_megatron.plan.rollout_schema import is_modelopt_nvfp4
 
     cfg = json.loads((modelopt_ckpt / "config.json").read_text())
     qc = cfg["quantization_config"]
@@ -137,9 +137,9 @@ def test_recipe_carve_out_keeps_a_layer_bf16(tiny_hf, tmp_path):
     recipe.write_text(json.dumps({"bf16_first_layers": 1}))
     out = tmp_path / "w4a16"
     rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--recipe", str(recipe),
-                         "--activation-mode", "w4a16", "--no-progress"])
+                         "--rollout-precision", "w4a16", "--no-progress"])
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert "model.layers.0.mlp.experts*" in qc["exclude_modules"] and qc["activation_mode"] == "w4a16"
+    assert "model.layers.0.mlp.experts*" in qc["exclude_modules"] and qc["precision"] == "w4a16"
     with HFCheckpoint(tiny_hf) as src, HFCheckpoint(out) as ck:
         name = "model.layers.0.mlp.experts.1.up_proj.weight"
         assert torch.equal(ck.get(name), src.get(name))
