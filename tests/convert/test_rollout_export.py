@@ -97,7 +97,7 @@ def test_quads_config_and_calibrated_activation_tensors(tiny_hf, quads_ckpt):
             w2 = torch.stack([_nvfp4(out, f"{p}{e}.down_proj").dequantize(torch.float32)
                               for e in range(dims.num_experts)])
             indices[layer] = calib[layer].comp_indices(w13, w2, K)
-        for _layer, _e, p in _expert_bases(dims):
+        for layer, e, p in _expert_bases(dims):
             c, (fc1_idx, fc2_idx) = calib[layer], indices[layer]
             for proj in ("gate_proj", "up_proj"):
                 assert torch.equal(out.get(p + proj + ".input_scale"), nvfp4.global_decode_scale(c.fc1_amax))

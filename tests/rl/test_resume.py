@@ -53,7 +53,8 @@ def test_resume_gives_identical_next_step(tiny_args, tmp_path):
 
 def test_crash_mid_step_keeps_last_checkpoint(tiny_args, tmp_path, monkeypatch):
     save = tmp_path / "ck"
-    trainer = GRPOTrainer(parse_args(tiny_args("--train-iters", "4", "--save", str(save), "--save-interval", "1", "--eval-interval", "100")))
+    trainer = GRPOTrainer(parse_args(tiny_args("--train-iters", "4", "--save", str(save), "--save-interval", "1",
+                                               "--eval-interval", "100")))
     real = trainer.engine.generate
     calls = {"n": 0}
 
