@@ -78,13 +78,13 @@ def load_recipe(args):
         raise CheckpointError(f"{recipe_path if recipe_path.is_file() else 'recipe flags'}: {e}") from None
 
 
-def _activation_entries(t, k):
+def _activation_entries(t):
     """ModelOpt/QUADS activation-side tensor entries of one quantized linear: {suffix: (shape, dtype)}."""
     out = {}
     if t.rollout.quantizes_activations:
         out["input_scale"] = ((), torch.float32)
     if t.rollout.uses_rac:
-        out["input_comp_index"] = ((k,), torch.int32)
+        out["input_comp_index"] = ((t.rac_channels,), torch.int32)
     return out
 
 
@@ -98,7 +98,7 @@ def rollout_specs(plan: QuantPlan) -> tuple:
             continue
         N, K = shape
         entries = {"weight": ((N, K // 2), torch.uint8), "weight_scale": ((N, K // 16), torch.float8_e4m3fn),
-                   "weight_scale_2": ((), torch.float32), **_activation_entries(t, t.rac_channels)}
+                   "weight_scale_2": ((), torch.float32), **_activation_entries(t)}
         for suffix, (shp, dtype) in entries.items():
             shapes[f"{t.module}.{suffix}"], dtypes[f"{t.module}.{suffix}"] = shp, dtype
     return shapes, dtypes

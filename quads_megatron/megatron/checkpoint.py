@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from quads_megatron.convert.output_dir import commit_temp_dir
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
 from quads_megatron.megatron.cpu import cuda_to_cpu
 from quads_megatron.recipe import QuadsRecipe
@@ -345,18 +346,6 @@ def load_checkpoint(model, ckpt_dir, optimizer=None, metadata=None):
 
 # ---------------------------------------------------------------- Megatron-LM training directories
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` onto ``final``; an existing ``final`` is moved aside first and removed last."""
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-
-
 def _write_tracker(save_dir: Path, iteration: int) -> None:
     tmp = save_dir / f"{TRACKER}.tmp"
     with open(tmp, "w") as f:
@@ -395,7 +384,7 @@ def save_iteration(model, save_dir, iteration: int, optimizer=None, *, common=No
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if _rank() == 0:
-        _replace_dir(tmp, final)
+        commit_temp_dir(tmp, final)
         _write_tracker(save_dir, iteration)
         if replace:
             for other in save_dir.glob("iter_*"):

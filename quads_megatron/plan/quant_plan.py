@@ -12,6 +12,7 @@ written from it) the SGLang methods all read it; nobody re-derives a carve-out.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -172,12 +173,9 @@ class QuantPlan:
         return [t for t in self._tensors.values() if t.layer == layer and t.scope is scope]
 
     def layer_precision(self, layer: int, scope: Scope, side: str = "rollout") -> Precision:
-        """One precision for a whole fused unit: a layer's experts, or its attention q/k/v."""
-        tensors = self.layer_tensors(layer, scope)
-        values = {getattr(t, side) for t in tensors}
-        if scope is Scope.ATTENTION:  # o_proj may be carved alone: ask for q/k/v
-            values = {getattr(t, side) for t in tensors if not t.name.endswith("o_proj.weight")}
-        (value,) = values
+        """One precision for a whole fused unit: a layer's experts, or its attention q/k/v (o_proj may differ)."""
+        (value,) = {getattr(t, side) for t in self.layer_tensors(layer, scope)
+                    if not t.name.endswith("o_proj.weight")}
         return value
 
     def for_megatron(self, megatron_name: str) -> List[TensorPlan]:
@@ -189,7 +187,7 @@ class QuantPlan:
         return [p for p in (self._tensors.get(n) for n in qwen3_moe.hf_names(rule, layer, expert))
                 if p is not None]
 
-    @property
+    @functools.cached_property
     def train_quantizes(self) -> bool:
         return any(t.train.quantizes_weights for t in self)
 
@@ -197,7 +195,7 @@ class QuantPlan:
     def rollout_precision(self) -> Precision:
         return self.recipe.rollout_precision
 
-    @property
+    @functools.cached_property
     def rollout_quantizes(self) -> bool:
         return any(t.rollout.quantizes_weights for t in self)
 

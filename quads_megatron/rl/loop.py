@@ -134,10 +134,11 @@ class GRPOTrainer:
                            pad_token_id=self.pad)
 
     # ------------------------------------------------------------------ pieces of a step
-    def sync_weights(self):
+    def sync_weights(self, measure_error: bool = False):
         """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch.
 
         SGLang servers are shared by all ranks: every rank joins the gather, rank 0 pushes.
+        measure_error: the engine also measures its NVFP4 weight error (for quant_error_report).
         """
         sglang = self.args.rollout_engine == "sglang"
         weights = self.policy.hf_weights(quantized=sglang)
@@ -145,7 +146,7 @@ class GRPOTrainer:
             for _ in weights:
                 pass
         else:
-            self.engine.update_weights(weights)
+            self.engine.update_weights(weights, measure_error=measure_error)
         if sglang and dist.is_initialized():
             dist.barrier()
         if hasattr(self.engine, "calibrate") and self.policy.plan.rollout_precision.quantizes_activations:
@@ -280,7 +281,9 @@ class GRPOTrainer:
                 raise FloatingPointError(f"step {step + 1}: non-finite rollout log-probs from the engine")
             stats, gaps = self.train_on(batch)
             t2 = time.perf_counter()
-            self.sync_weights()
+            it = step + 1
+            report_quant = bool(a.quant_error_interval) and (it % a.quant_error_interval == 0 or it == 1)
+            self.sync_weights(measure_error=report_quant)
             t3 = time.perf_counter()
             resp_len = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
             n_gen = float(resp_len.sum())
@@ -301,10 +304,9 @@ class GRPOTrainer:
                 "throughput/train_tokens_per_s": float(batch.mask.sum()) / max(t2 - t1, 1e-9),
             }
             scalars = _dp_mean(scalars, self.policy.dp_group())
-            it = step + 1
             if a.eval_interval and (it % a.eval_interval == 0 or it == a.train_iters):
                 scalars["eval/pass@1"] = self.evaluate()
-            if a.quant_error_interval and (it % a.quant_error_interval == 0 or it == 1):
+            if report_quant:
                 for k, v in self.engine.quant_error_report().items():
                     scalars[f"quant/{k}"] = v
             self.history.append({"step": it, "reward": scalars["reward/mean"],
@@ -350,18 +352,13 @@ class GRPOTrainer:
     def _write_hf_dir(self, save: Path):
         import shutil
 
-        hf, tmp = save / "hf", save / "hf.tmp"
+        from quads_megatron.convert.output_dir import commit_temp_dir
+
+        tmp = save / "hf.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.tokenizer.save_pretrained(tmp)
         self.policy.hf_config().save_pretrained(tmp)
-        if hf.exists():
-            old = save / "hf.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(hf, old)
-            os.rename(tmp, hf)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, hf)
+        commit_temp_dir(tmp, save / "hf")
 
     def _load_checkpoint(self):
         """Resume from --load: model + AdamW (any TP/EP layout), history; None when it holds no checkpoint."""

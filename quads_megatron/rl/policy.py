@@ -52,12 +52,14 @@ class MegatronPolicy:
                                      rotary_base=self.rotary_base, expert_seed=args.seed,
                                      share_embeddings_and_output_weights=tie)
         # One recipe and its plan decide what is NVFP4 for the trainer, the sync and the rollout engine.
-        from quads_megatron.megatron.aqat import apply_quads, plan_for_model
+        from quads_megatron.megatron.aqat import apply_quads, plan_for_model, quads_plan
 
         self.recipe = args.recipe
-        self.plan = plan_for_model(self.model, self.recipe)
-        if self.plan.train_quantizes:
-            self.model = apply_quads(self.model, self.recipe)
+        if self.recipe.train_precision.quantizes_weights:
+            self.model = apply_quads(self.model, self.recipe)   # resolves the plan once
+            self.plan = quads_plan(self.model)
+        else:
+            self.plan = plan_for_model(self.model, self.recipe)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps, weight_decay=args.weight_decay)
         self.device = next(self.model.parameters()).device

@@ -49,8 +49,12 @@ class RolloutEngine(abc.ABC):
         """Return one Rollout per prompt (prompts repeated by the caller for G samples)."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the served weights with (HF name, tensor) pairs from the trainer."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> None:
+        """Replace the served weights with (HF name, tensor) pairs from the trainer.
+
+        measure_error: an engine that quantizes the weights itself also measures the NVFP4 error
+        (an extra pass over them, so only when ``quant_error_report`` will be read).
+        """
 
     def quant_error_report(self) -> dict[str, float]:
         """Per-layer NVFP4 relative errors of weights/activations, where the engine can measure them."""

@@ -62,20 +62,24 @@ class LocalEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named high-precision tensors; the plan's NVFP4 weights are quantized and written in place."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> None:
+        """Load HF-named high-precision tensors; the plan's NVFP4 weights are quantized and written in place.
+
+        measure_error: also accumulate each module's weight error (an extra dequantize per weight).
+        """
         from quads_megatron.plan import quantize_scale_groups
 
-        from .precision import load_quantized
+        from .precision import _ErrorMeter, load_quantized
 
         params = dict(self.model.named_parameters())
-        for m in self.nvfp4_modules.values():
-            m.meter.__init__()
+        if measure_error:
+            for m in self.nvfp4_modules.values():
+                m.meter = _ErrorMeter()
         seen = set()
         for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan):
             for i, (name, t) in enumerate(zip(names, tensors)):
                 if quantized is not None:
-                    load_quantized(self.nvfp4_modules, name, t, quantized[i].to(self.device))
+                    load_quantized(self.nvfp4_modules, name, t, quantized[i].to(self.device), measure_error)
                 else:
                     dst = self._destination(params, name)
                     if tuple(dst.shape) != tuple(t.shape):

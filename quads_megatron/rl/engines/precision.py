@@ -177,7 +177,8 @@ def install_nvfp4_modules(model: nn.Module, plan: QuantPlan) -> dict:
     return modules
 
 
-def load_quantized(modules: dict, name: str, original: torch.Tensor, q: nvfp4.NVFP4Tensor) -> None:
+def load_quantized(modules: dict, name: str, original: torch.Tensor, q: nvfp4.NVFP4Tensor,
+                   measure_error: bool = False) -> None:
     """Route one HF weight's NVFP4 tensor to its module (``install_nvfp4_modules``' dict)."""
     module_name = name[: -len(".weight")]
     if module_name in modules:
@@ -190,7 +191,8 @@ def load_quantized(modules: dict, name: str, original: torch.Tensor, q: nvfp4.NV
             raise KeyError(f"weight sync: {name} is NVFP4 in the plan but the rollout model has no "
                            f"NVFP4 module for it")
         m.load(proj, int(expert), q)
-    m.meter.add(original, q)
+    if measure_error:
+        m.meter.add(original, q)
 
 
 @torch.no_grad()

@@ -119,7 +119,8 @@ class SGLangEngine(RolloutEngine):
         return [r for f in futs for r in f.result()]
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> None:
+        """measure_error: ignored (the server quantizes nothing; the trainer sends NVFP4)."""
         named = [(k, v.detach().contiguous()) for k, v in named_tensors]
         for u in self.urls:
             self._post(u, "/begin_weight_update", {})
