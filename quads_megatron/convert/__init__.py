@@ -7,7 +7,7 @@
 * ``rollout_export``: HF -> QUADS / ModelOpt NVFP4 rollout checkpoint.
 """
 
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 
 __all__ = ["CheckpointError", "iter_hf_weights"]
 

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from quads_megatron import nvfp4, rac
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 
 
 @dataclasses.dataclass

@@ -5,8 +5,7 @@ import sys
 
 import torch
 
-from quads_megatron.convert.errors import CheckpointError
-from quads_megatron.convert.output_dir import sigterm_as_exit
+from quads_megatron.errors import run_cli
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,11 +37,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(main, argv=None) -> int:
-    """Run ``main(argv)``; a CheckpointError prints one clear line and exits 2 (no traceback)."""
-    try:
-        with sigterm_as_exit():
-            main(argv)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """Run a converter's ``main(argv)`` through the project's one error path (``quads_megatron.errors.run_cli``)."""
+    import os
+
+    return run_cli(main, argv, prog=os.path.basename(sys.argv[0]) or "quads-convert")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from quads_megatron.convert import qwen3_moe
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 from quads_megatron.convert.megatron_params import padded_vocab_size
 from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir, make_temp_dir
 from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY

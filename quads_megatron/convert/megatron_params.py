@@ -6,7 +6,7 @@ import re
 import torch
 
 from quads_megatron.convert import qwen3_moe
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from quads_megatron.convert import cli, qwen3_moe
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
                                                   read_json, write_json)
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path

@@ -7,7 +7,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 
 
 def check_output_path(path, *, force: bool = False) -> Path:

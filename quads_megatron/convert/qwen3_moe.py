@@ -25,7 +25,7 @@ import re
 
 import torch
 
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 HF_MODEL_TYPE = "qwen3_moe"

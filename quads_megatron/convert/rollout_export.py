@@ -22,7 +22,7 @@ from tqdm import tqdm
 from quads_megatron import nvfp4, vocab
 from quads_megatron.convert import cli, qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint, ShardedSafetensorsWriter, format_listing, write_json
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
