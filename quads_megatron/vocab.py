@@ -4,7 +4,8 @@ Every CLI flag, the recipe, the quantization plan and the rollout checkpoint's
 ``quantization_config`` spell these values; nothing else names them.  A precision describes
 one GEMM, weights x activations: the trainer runs ``w4a16`` (AQAT: NVFP4 weights, BF16
 activations) or the symmetric ``w4a4`` baseline, the rollout engine any of them, and
-``w4a4_rac`` adds Residual Activation Compensation (the QUADS rollout).
+``w4a4_rac`` adds Residual Activation Compensation (the QUADS rollout); ``w16a4`` isolates the
+activation error for the paper's ablation (local engine only).
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ class Precision(str, enum.Enum):
     W4A16 = "w4a16"        # NVFP4 weights, high-precision activations (AQAT trainer, weight-only rollout)
     W4A4 = "w4a4"          # NVFP4 weights and NVFP4 activations
     W4A4_RAC = "w4a4_rac"  # W4A4 + residual compensation of the k highest-error input channels
+    # BF16 weights, NVFP4 activations: the activation error alone. A study precision of the local
+    # engine (the paper's ablation); no checkpoint format or SGLang kernel exists for it.
+    W16A4 = "w16a4"
 
     @property
     def quantizes_weights(self) -> bool:
-        return self is not Precision.BF16
+        return self not in (Precision.BF16, Precision.W16A4)
 
     @property
     def quantizes_activations(self) -> bool:
-        return self in (Precision.W4A4, Precision.W4A4_RAC)
+        return self in (Precision.W4A4, Precision.W4A4_RAC, Precision.W16A4)
 
     @property
     def uses_rac(self) -> bool:

@@ -180,9 +180,25 @@ def _patch_grouped_gemm():
     gg.ops = gg.grouped_gemm.ops
 
 
+def _apex_available() -> bool:
+    try:
+        import apex  # noqa: F401
+        from apex.normalization import FusedLayerNorm  # noqa: F401  (PyPI's unrelated "apex" has none)
+    except ImportError:
+        return False
+    return True
+
+
 def setup_megatron_cpu(grouped_gemm_shim: bool = False) -> bool:
-    """Patch Megatron-Core for CPU execution when CUDA is unusable; returns True if patched."""
+    """Patch Megatron-Core for CPU execution when CUDA is unusable; returns True if patched.
+
+    On a GPU only patch 6 applies, and only without Apex: Megatron's local spec then falls back to
+    ``WrappedTorchNorm``, which refuses the sequence parallelism that MoE + TP needs on any device.
+    """
     if cuda_usable():
+        if not _apex_available() and not _APPLIED.get("norm"):
+            _patch_torch_norm()
+            _APPLIED["norm"] = True
         return False
     if not _APPLIED["base"]:
         _patch_torch_cuda()

@@ -4,6 +4,7 @@ import hashlib
 
 import torch
 
+from quads_megatron.device import default_device
 from quads_megatron.megatron import cpu
 from quads_megatron.megatron.parallel import initialize_distributed  # noqa: F401  (re-export)
 
@@ -49,6 +50,7 @@ def build_gpt_model(config, vocab_size: int, max_seq_len: int, *, spec: str = "l
     (layer, global expert index), every other matrix from a seed of its (global) name, the full
     logical weight generated with Megatron's init method and then sliced for this rank's shard.
     So experts differ across EP ranks and the model is the same for every TP/EP layout.
+    The model ends on ``quads_megatron.device.default_device()`` (this rank's GPU, or the CPU).
     ``expert_seed=None`` keeps Megatron's initialisation.
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -65,7 +67,9 @@ def build_gpt_model(config, vocab_size: int, max_seq_len: int, *, spec: str = "l
         init_dense_layout_independent(model, expert_seed)
         if config.num_moe_experts:
             init_experts_per_expert(model, expert_seed)
-    return model
+    # Megatron builds its linears on the current CUDA device, but torch norms (no Apex/TE) on the CPU:
+    # one move puts every parameter and buffer on this rank's device.
+    return model.to(default_device())
 
 
 def _expert_seed(seed: int, layer_number: int, expert: int, which: str) -> int:

@@ -20,6 +20,17 @@ PRESETS = {
         ),
         model=dict(vocab_size=256, max_seq_len=64, rotary_base=1_000_000),
     ),
+    # GPU-sized (~240M parameters, ~41M active): big enough to show quantization effects, small enough to
+    # pretrain in minutes on one H200. 32 experts top-4 (Qwen3-30B-A3B's 1/16 sparsity ratio is 8/128),
+    # head_dim 64, GQA 12/4; vocab 128 rows (the character tokenizer) so all compute is in the blocks.
+    "moe-240m": dict(
+        transformer=dict(
+            num_layers=8, hidden_size=768, ffn_hidden_size=2048, num_attention_heads=12,
+            num_query_groups=4, kv_channels=64, num_moe_experts=32, moe_router_topk=4,
+            moe_ffn_hidden_size=384, moe_aux_loss_coeff=1e-3, layernorm_epsilon=1e-6,
+        ),
+        model=dict(vocab_size=128, max_seq_len=1024, rotary_base=1_000_000),
+    ),
     # Qwen/Qwen3-30B-A3B config.json.
     "qwen3-30b-a3b": dict(
         transformer=dict(

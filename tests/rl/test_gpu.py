@@ -8,7 +8,7 @@ from quads_megatron.rl.loop import main
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "quads"])
+@pytest.mark.parametrize("precision", ["bf16", "w4a16", "w16a4", "w4a4", "quads"])
 def test_grpo_on_gpu(tiny_args, precision):
     out = main(tiny_args("--train-iters", "3", "--bf16", "--rollout-precision", precision))
     for h in out["history"]:

@@ -46,8 +46,9 @@ class LocalEngine(RolloutEngine):
         self.precision = plan.rollout_precision
         self.max_seq_len = max_seq_len
         self.pad_token_id = pad_token_id
-        device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+        from quads_megatron.device import resolve_device
+
+        device = resolve_device(device)
         cfg = hf_config
         if hasattr(cfg, "_experts_implementation"):
             cfg._experts_implementation = "eager"

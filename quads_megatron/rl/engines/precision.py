@@ -9,6 +9,8 @@ identity across weight updates.  RAC channels and static activation scales come 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -48,23 +50,114 @@ def _kernels():
     return kernels
 
 
-class NVFP4Experts(nn.Module):
+class _QuantExperts(nn.Module):
+    """What the calibration needs of a quantized Qwen3MoeExperts drop-in: fp32 weights and a recording forward."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision):
+        super().__init__()
+        self.precision, self.num_experts, self.hidden, self.ffn = precision, num_experts, hidden, ffn
+        self.w13_comp_index = self.w2_comp_index = None
+        self.w13_input_scale = self.w2_input_scale = None
+        self.meter = _ErrorMeter()
+        self.stats = None  # (fc1 ActivationStats, fc2 per-expert ActivationStats) while calibrating
+        self.act_err = {}
+
+    def dequantized(self, which: str) -> torch.Tensor:
+        """fp32 [E, N, K] weights of 'w13' (gate; up) or 'w2' (down), as the GEMMs see them."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _calibration_forward(self, x, ids, weights):
+        """Forward on high-precision activations that records fc1/fc2 input statistics per expert."""
+        s13, s2 = self.stats
+        s13.update(x)
+        w13f, w2f = self.dequantized("w13"), self.dequantized("w2")
+        F = w2f.shape[-1]
+        out = torch.zeros_like(x, dtype=torch.float32)
+        xf = x.float()
+        for e in range(w13f.shape[0]):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            gu = xf[tok] @ w13f[e].t()
+            h = nn.functional.silu(gu[:, :F]) * gu[:, F:]
+            s2.update(h, torch.full((h.shape[0],), e, dtype=torch.long))
+            self._amax[1] = torch.maximum(self._amax[1], nvfp4.amax_of(h).cpu())
+            out.index_add_(0, tok, (h @ w2f[e].t()) * weights[tok, slot, None].float())
+        self._amax[0] = torch.maximum(self._amax[0], nvfp4.amax_of(xf).cpu())
+        self._x.append(xf)
+        return out.to(x.dtype)
+
+
+class ActQuantExperts(_QuantExperts):
+    """``w16a4``: Qwen3MoeExperts with its BF16 weights (same parameter names) and NVFP4-quantized GEMM inputs.
+
+    Isolates the activation error for the paper's ablation; the activation quantizer is the one
+    the W4A4 kernels' reference uses (``quads_megatron.rac.compensated_activation`` without RAC).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device, dtype):
+        super().__init__(num_experts, hidden, ffn, precision)
+        E, H, F = num_experts, hidden, ffn
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * F, H, device=device, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros(E, H, F, device=device, dtype=dtype), requires_grad=False)
+
+    def dequantized(self, which: str) -> torch.Tensor:
+        return (self.gate_up_proj if which == "w13" else self.down_proj).float()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        from quads_megatron.rac import compensated_activation
+
+        if self.stats is not None:
+            return self._calibration_forward(hidden_states, top_k_index, top_k_weights)
+        xq = compensated_activation(hidden_states, None, self.w13_input_scale)[0]
+        out = torch.zeros_like(xq)
+        F = self.ffn
+        for e in top_k_index.unique().tolist():
+            tok, slot = (top_k_index == e).nonzero(as_tuple=True)
+            gu = xq[tok] @ self.gate_up_proj[e].float().t()
+            h = nn.functional.silu(gu[:, :F]) * gu[:, F:]
+            hq = compensated_activation(h, None, self.w2_input_scale)[0]  # per-token: chunking is exact
+            out.index_add_(0, tok, (hq @ self.down_proj[e].float().t()) * top_k_weights[tok, slot, None].float())
+        return out.to(hidden_states.dtype)
+
+
+class ActQuantLinear(nn.Linear):
+    """``w16a4`` attention linear: BF16 weight (parameter ``weight``), NVFP4-quantized input."""
+
+    def __init__(self, in_features: int, out_features: int, precision: Precision, device, dtype):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.requires_grad_(False)
+        self.precision = precision
+        self.comp_index = self.input_scale = None
+        self.meter = _ErrorMeter()
+        self.stats = None
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def forward(self, x):
+        from quads_megatron.rac import compensated_activation
+
+        if self.stats is not None:
+            self.stats.update(x)
+            self._amax = torch.maximum(self._amax, nvfp4.amax_of(x.float()).cpu())
+            return super().forward(x)
+        xq = compensated_activation(x, None, self.input_scale)[0]
+        return (xq @ self.weight.float().t()).to(x.dtype)
+
+
+class NVFP4Experts(_QuantExperts):
     """Drop-in for Qwen3MoeExperts: forward(hidden, top_k_index, top_k_weights) on ``w4a4_fused_moe``."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device):
-        super().__init__()
-        self.precision, self.num_experts, self.ffn = precision, num_experts, ffn
+        super().__init__(num_experts, hidden, ffn, precision)
         E, H, F = num_experts, hidden, ffn
         shapes = {"w13": ((E, 2 * F, H // 2), torch.uint8), "w13_scale": ((E, 2 * F, H // 16), torch.float8_e4m3fn),
                   "w13_scale_2": ((E,), torch.float32), "w2": ((E, H, F // 2), torch.uint8),
                   "w2_scale": ((E, H, F // 16), torch.float8_e4m3fn), "w2_scale_2": ((E,), torch.float32)}
         for name, (shape, dtype) in shapes.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.w13_comp_index = self.w2_comp_index = None
-        self.w13_input_scale = self.w2_input_scale = None
-        self.meter = _ErrorMeter()
-        self.stats = None  # (fc1 ActivationStats, fc2 per-expert ActivationStats) while calibrating
-        self.act_err = {}
 
     @torch.no_grad()
     def load(self, proj: str, expert: int, q: nvfp4.NVFP4Tensor) -> None:
@@ -95,35 +188,13 @@ class NVFP4Experts(nn.Module):
             w13_comp_index=self.w13_comp_index, w2_comp_index=self.w2_comp_index,
             w13_input_scale=self.w13_input_scale, w2_input_scale=self.w2_input_scale)
 
-    @torch.no_grad()
-    def _calibration_forward(self, x, ids, weights):
-        """W4A16 forward that records fc1/fc2 input statistics per expert (RAC / static-scale calibration)."""
-        s13, s2 = self.stats
-        s13.update(x)
-        w13f, w2f = self.dequantized("w13"), self.dequantized("w2")
-        F = w2f.shape[-1]
-        out = torch.zeros_like(x, dtype=torch.float32)
-        xf = x.float()
-        for e in range(w13f.shape[0]):
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            gu = xf[tok] @ w13f[e].t()
-            h = nn.functional.silu(gu[:, :F]) * gu[:, F:]
-            s2.update(h, torch.full((h.shape[0],), e, dtype=torch.long))
-            self._amax[1] = torch.maximum(self._amax[1], nvfp4.amax_of(h).cpu())
-            out.index_add_(0, tok, (h @ w2f[e].t()) * weights[tok, slot, None].float())
-        self._amax[0] = torch.maximum(self._amax[0], nvfp4.amax_of(xf).cpu())
-        self._x.append(xf)
-        return out.to(x.dtype)
-
 
 class NVFP4Linear(nn.Module):
     """Drop-in for an attention nn.Linear (no bias) on ``w4a4_linear``."""
 
     def __init__(self, out_features: int, in_features: int, precision: Precision, device):
         super().__init__()
-        self.precision = precision
+        self.precision, self.in_features, self.out_features = precision, in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
                                                    device=device), persistent=False)
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // 16,
@@ -157,21 +228,26 @@ class NVFP4Linear(nn.Module):
 
 def install_nvfp4_modules(model: nn.Module, plan: QuantPlan) -> dict:
     """Replace the plan's rollout-NVFP4 units of an HF Qwen3-MoE; return {HF module prefix: module}."""
-    device = next(model.parameters()).device
+    p0 = next(model.parameters())
+    device, dtype = p0.device, p0.dtype
     d = plan.dims
     modules = {}
     for i, layer in enumerate(model.model.layers):
         prec = plan.layer_precision(i, Scope.ROUTED_EXPERTS)
         if prec.quantizes_weights:
             layer.mlp.experts = NVFP4Experts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device)
+        elif prec.quantizes_activations:
+            layer.mlp.experts = ActQuantExperts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device, dtype)
+        if prec.quantizes_weights or prec.quantizes_activations:
             modules[f"model.layers.{i}.mlp.experts"] = layer.mlp.experts
         for proj in _ATTN_PROJ:
             t = plan[f"model.layers.{i}.self_attn.{proj}.weight"]
-            if t.rollout.quantizes_weights:
+            if t.rollout.quantizes_weights or t.rollout.quantizes_activations:
                 lin = getattr(layer.self_attn, proj)
                 if lin.bias is not None:
                     raise ValueError(f"{t.name}: NVFP4 attention linears have no bias")
-                m = NVFP4Linear(lin.out_features, lin.in_features, t.rollout, device)
+                m = (NVFP4Linear(lin.out_features, lin.in_features, t.rollout, device) if t.rollout.quantizes_weights
+                     else ActQuantLinear(lin.in_features, lin.out_features, t.rollout, device, dtype))
                 setattr(layer.self_attn, proj, m)
                 modules[t.module] = m
     return modules
@@ -206,12 +282,11 @@ def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
     if not active:
         return
     for m in active.values():
-        if isinstance(m, NVFP4Experts):
-            H, F = m.w13.shape[2] * 2, m.w2.shape[2] * 2
-            m.stats = (ActivationStats(H), ActivationStats(F, num_groups=m.num_experts))
+        if isinstance(m, _QuantExperts):
+            m.stats = (ActivationStats(m.hidden), ActivationStats(m.ffn, num_groups=m.num_experts))
             m._x, m._amax = [], [torch.zeros(()), torch.zeros(())]
         else:
-            m.stats, m._amax = ActivationStats(m.weight.shape[1] * 2), torch.zeros(())
+            m.stats, m._amax = ActivationStats(m.in_features), torch.zeros(())
     try:
         run_forward()
     finally:
@@ -220,10 +295,11 @@ def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
             m.stats = None
     for n, m in active.items():
         st = stats[n]
-        if isinstance(m, NVFP4Experts):
+        if isinstance(m, _QuantExperts):
             s13, s2 = st
             if static:
-                m.w13_input_scale, m.w2_input_scale = (nvfp4.global_decode_scale(a).to(m.w13.device).reshape(())
+                dev = next(itertools.chain(m.parameters(), m.buffers())).device
+                m.w13_input_scale, m.w2_input_scale = (nvfp4.global_decode_scale(a).to(dev).reshape(())
                                                        for a in m._amax)
             if m.precision.uses_rac:
                 m.w13_comp_index = calibrate_comp_channels(
