@@ -131,3 +131,23 @@ class QuadsRecipe:
     @classmethod
     def from_json(cls, text: str) -> "QuadsRecipe":
         return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_file(cls, path) -> "QuadsRecipe":
+        """Read a recipe JSON file; ConfigError naming the file for a missing, unreadable or invalid one."""
+        from quads_megatron.errors import ConfigError
+
+        try:
+            text = open(path, encoding="utf-8").read()
+        except FileNotFoundError:
+            raise ConfigError(f"recipe file {path}: does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"recipe file {path}: unreadable ({e})") from None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"recipe file {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        try:
+            return cls.from_dict(doc)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"recipe file {path}: {e}") from None

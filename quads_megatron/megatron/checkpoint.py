@@ -13,10 +13,15 @@ The one checkpoint path of the trainer, the GRPO loop and the converters:
   ``{save}/iter_NNNNNNN/`` + the ``latest_checkpointed_iteration.txt`` tracker.  An iteration is
   written into ``iter_NNNNNNN.tmp`` and renamed once every rank finished, then the tracker is
   replaced atomically (and never moved backwards), so a crash mid-save keeps the previous
-  checkpoint.  Extra common state (``common=``) and per-rank state (``rank_state=``, e.g.
+  checkpoint.  Every directory we write gets ``quads_manifest.json`` (per-file SHA-256,
+  ``quads_megatron.integrity``) before it becomes visible, and every load verifies it first.
+  Extra common state (``common=``) and per-rank state (``rank_state=``, e.g.
   ``get_rng_state()``, one ShardedObject per rank) ride along.
 * ``resolve_checkpoint_dir`` / ``load_common_state`` / ``load_recipe`` / ``load_model_state``:
   the reading side, shared with ``quads_megatron.convert.megatron_checkpoint``.
+
+Every user-facing failure (missing or corrupt file, bad tracker, shapes that disagree with the
+model) is a ``CheckpointError`` naming the file; Megatron's own exceptions do not surface raw.
 """
 
 import os
@@ -28,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from quads_megatron.convert.output_dir import commit_temp_dir
+from quads_megatron.errors import CheckpointError
+from quads_megatron.integrity import read_manifest, verify_manifest, write_manifest
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
 from quads_megatron.megatron.cpu import cuda_to_cpu
 from quads_megatron.recipe import QuadsRecipe
@@ -132,7 +139,7 @@ def _torch_optimizer_sharded(optimizer, model_sd, keys, *, loading: bool) -> dic
     id_map = get_param_id_to_sharded_param_map(model_sd, params)
     missing = [i for i in range(len(params)) if i not in id_map]
     if missing:
-        raise ValueError(f"optimizer parameters {missing[:5]} are not in the model's sharded_state_dict "
+        raise CheckpointError(f"optimizer parameters {missing[:5]} are not in the model's sharded_state_dict "
                          "(the optimizer must hold the model's own Parameters)")
     state = {}
     for i, p in enumerate(params):
@@ -195,6 +202,9 @@ def _write(model, ckpt_dir, optimizer=None, metadata=None, common=None, rank_sta
                                                   replica_id=0)
         state[META_KEY] = meta
         dist_checkpointing.save(state, str(ckpt_dir))
+    _barrier()  # every rank's shards are on disk before they are hashed
+    if _rank() == 0:
+        write_manifest(ckpt_dir)
 
 
 def save_checkpoint(model, ckpt_dir, optimizer=None, metadata=None, *, common=None, rank_state=None):
@@ -203,7 +213,7 @@ def save_checkpoint(model, ckpt_dir, optimizer=None, metadata=None, *, common=No
     ``common``: extra picklable objects saved once (rank 0's); ``rank_state``: one object per rank.
     """
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):  # every rank: no rank left in a barrier
-        raise FileExistsError(f"save_checkpoint: {ckpt_dir} exists and is not empty")
+        raise CheckpointError(f"save_checkpoint: {ckpt_dir} exists and is not empty")
     _barrier()
     if _rank() == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -217,11 +227,14 @@ def read_tracker(save_dir):
     tracker = Path(save_dir) / TRACKER
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{tracker}: unreadable ({e})") from None
     if text == "release":
         return text
     if not text.isdigit():
-        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}")
+        raise CheckpointError(f"{tracker}: expected an iteration number (or 'release'), found {text[:40]!r}")
     return int(text)
 
 
@@ -238,39 +251,175 @@ def iteration_dir(save_dir, iteration) -> Path:
 
 def resolve_checkpoint_dir(path) -> Path:
     """The dist_checkpointing directory itself, or the tracker's iteration of a Megatron-LM save directory."""
-    from megatron.core import dist_checkpointing
+    import json
 
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory {path}")
+        raise CheckpointError(f"no checkpoint directory {path}")
     it = read_tracker(path)
     if it is not None:
         path = iteration_dir(path, it)
-    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
-        raise ValueError(f"{path}: not a Megatron dist_checkpointing checkpoint (no valid metadata.json)")
+        if not path.is_dir():
+            raise CheckpointError(f"{Path(path).parent / TRACKER} names iteration {it}, but {path} is missing")
+    meta = path / "metadata.json"
+    if not meta.is_file():
+        raise CheckpointError(f"{path}: not a Megatron dist_checkpointing checkpoint (no metadata.json"
+                              f"{'' if it is not None else f' and no {TRACKER}'})")
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "sharded_backend" not in doc:
+        raise CheckpointError(f"{meta}: not a dist_checkpointing config (expected a 'sharded_backend' key)")
     return path
+
+
+def verify_checkpoint(ckpt_dir) -> None:
+    """Check the manifest of a checkpoint directory (sizes, SHA-256) before anything reads it; collective.
+
+    Under torch.distributed each rank hashes its share of the files and every rank raises the
+    same CheckpointError, so no rank is left waiting in a collective.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not dist.is_initialized() or _world_size() == 1:
+        verify_manifest(ckpt_dir)
+        check_files(ckpt_dir)
+        return
+    error = None
+    try:
+        files = read_manifest(ckpt_dir)
+        if files is not None:
+            verify_manifest(ckpt_dir, only=sorted(files)[_rank()::_world_size()])
+        check_files(ckpt_dir)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [None] * _world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _dcp_metadata(ckpt_dir: Path):
+    """torch DCP's ``.metadata`` of a torch_dist checkpoint; CheckpointError naming it when missing or corrupt."""
+    import pickle
+
+    path = Path(ckpt_dir) / ".metadata"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (every torch_dist checkpoint has one)")
+    try:
+        with open(path, "rb") as f:
+            md = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 -- a damaged pickle raises any of many types
+        raise CheckpointError(f"{path}: truncated or corrupt ({type(e).__name__}: {e})") from None
+    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
+        raise CheckpointError(f"{path}: not torch.distributed.checkpoint metadata ({type(md).__name__})")
+    return md
+
+
+def check_files(ckpt_dir) -> None:
+    """Before any read: common.pt, ``.metadata`` and every shard file it names exist and are long enough.
+
+    This names the file for checkpoints without a manifest (written by someone else), where
+    Megatron / torch DCP would otherwise fail with an unnamed exception deep inside the load.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "common.pt").is_file():
+        raise CheckpointError(f"{ckpt_dir / 'common.pt'}: missing (the checkpoint's common state)")
+    md = _dcp_metadata(ckpt_dir)
+    need = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = ckpt_dir / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (listed in {ckpt_dir / '.metadata'})")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {ckpt_dir / '.metadata'} needs at least {size} "
+                                  "(truncated)")
+
+
+def check_shapes(request: dict, ckpt_dir) -> None:
+    """Every tensor the model (and optimizer) asks for is in the checkpoint with the same global shape."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = _dcp_metadata(Path(ckpt_dir)).state_dict_metadata
+    for sh in nested_values(request):
+        if not isinstance(sh, ShardedTensor) or getattr(sh, "allow_shape_mismatch", False):
+            continue
+        if sh.key not in stored:
+            raise CheckpointError(f"{ckpt_dir}: holds no tensor {sh.key} (the model expects global shape "
+                                  f"{tuple(sh.global_shape)}): a checkpoint of another model config?")
+        size = tuple(getattr(stored[sh.key], "size", ()))
+        if size != tuple(sh.global_shape):
+            raise CheckpointError(f"{ckpt_dir}: {sh.key} has global shape {size} in the checkpoint, the model "
+                                  f"expects {tuple(sh.global_shape)}: the model config disagrees with the checkpoint")
+
+
+def _dist_call(what: str, ckpt_dir, fn, *a):
+    """Run a dist_checkpointing read; a missing, truncated or corrupt file becomes a CheckpointError."""
+    import pickle
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException as TorchDCPException
+
+    try:
+        return fn(*a)
+    except TorchDCPException as e:  # a BaseException; the first rank's own exception says what failed
+        cause = next(iter(getattr(e, "failures", {}).values()), (e, None))[0]
+        text = str(cause).strip().splitlines()
+        raise CheckpointError(f"{ckpt_dir}: {what}: {type(cause).__name__}: {text[0] if text else ''}") from None
+    except CheckpointingException as e:
+        text = str(e).strip().splitlines()
+        raise CheckpointError(f"{ckpt_dir}: {what}: {text[0] if text else type(e).__name__}") from None
+    except (OSError, EOFError, pickle.UnpicklingError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{ckpt_dir}: {what}: missing, truncated or corrupt file "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except RuntimeError as e:
+        # torch.load / torch DCP on a damaged file: "PytorchStreamReader failed ...", "size mismatch", ...
+        text = (str(e).splitlines()[0] if str(e) else type(e).__name__)[:200]
+        raise CheckpointError(f"{ckpt_dir}: {what}: {text}") from None
+
+
+def _load_common(ckpt_dir) -> dict:
+    from megatron.core import dist_checkpointing
+
+    common = _dist_call(f"reading {ckpt_dir}/common.pt", ckpt_dir, dist_checkpointing.load_common_state_dict,
+                        str(ckpt_dir))
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{ckpt_dir}/common.pt: expected a dict of common state, found {type(common).__name__}")
+    return common
 
 
 def load_common_state(ckpt_dir) -> dict:
     """The non-sharded (rank-0) objects of a checkpoint: ``quads_recipe``, ``hf_config``, ``common=`` extras."""
-    from megatron.core import dist_checkpointing
-
-    return dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(ckpt_dir)))
+    return _load_common(resolve_checkpoint_dir(ckpt_dir))
 
 
 def load_recipe(ckpt_dir):
     """The QuadsRecipe stored in a checkpoint (None for a checkpoint of a BF16 model)."""
     if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"load_recipe: no checkpoint directory {ckpt_dir}")
-    text = load_common_state(ckpt_dir).get(RECIPE_KEY)
-    return None if text is None else QuadsRecipe.from_json(text)
+        raise CheckpointError(f"load_recipe: no checkpoint directory {ckpt_dir}")
+    return _stored_recipe(load_common_state(ckpt_dir), ckpt_dir)
+
+
+def _stored_recipe(common: dict, ckpt_dir):
+    """The recipe in a checkpoint's common state; CheckpointError when it is not a valid recipe."""
+    text = common.get(RECIPE_KEY)
+    if text is None:
+        return None
+    try:
+        return QuadsRecipe.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt_dir}/common.pt: '{RECIPE_KEY}' is not a valid recipe ({e})") from None
 
 
 def _apply_model_state(gpt, loaded: dict, ckpt_dir) -> None:
     missing, _ = gpt.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
-        raise ValueError(f"{ckpt_dir}: tensors missing for the model: {missing[:5]}")
+        raise CheckpointError(f"{ckpt_dir}: tensors missing for the model: {missing[:5]}")
 
 
 def load_model_state(model, ckpt_dir) -> Path:
@@ -279,8 +428,11 @@ def load_model_state(model, ckpt_dir) -> Path:
 
     gpt = unwrap_model(model)
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    verify_checkpoint(ckpt_dir)
     with cuda_to_cpu():
-        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt_dir))
+        request = {"model": gpt.sharded_state_dict()}
+        check_shapes(request, ckpt_dir)
+        loaded = _dist_call("loading the model", ckpt_dir, dist_checkpointing.load, request, str(ckpt_dir))
     _apply_model_state(gpt, loaded["model"], ckpt_dir)
     return ckpt_dir
 
@@ -293,18 +445,18 @@ def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
 
     gpt = unwrap_model(model)
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
-    text = common.get(RECIPE_KEY)
-    stored, mine = (None if text is None else QuadsRecipe.from_json(text)), quads_recipe(gpt)
+    verify_checkpoint(ckpt_dir)
+    common = _load_common(ckpt_dir)
+    stored, mine = _stored_recipe(common, ckpt_dir), quads_recipe(gpt)
     if stored != mine:
-        raise ValueError(f"load_checkpoint: {ckpt_dir} was saved with recipe {stored} but the "
+        raise CheckpointError(f"load_checkpoint: {ckpt_dir} was saved with recipe {stored} but the "
                          f"model is converted with {mine}; apply_quads(model, load_recipe(dir)) "
                          "before loading")
     meta = common.get(META_KEY, {"optimizer": {"kind": "megatron"}})  # older checkpoints: Megatron's or none
     opt_meta = meta.get("optimizer") or {}
     is_torch = isinstance(optimizer, torch.optim.Optimizer)
     if optimizer is not None and opt_meta.get("kind") != ("torch" if is_torch else "megatron"):
-        raise ValueError(f"load_checkpoint: {ckpt_dir} holds {opt_meta.get('kind') or 'no'} optimizer state, "
+        raise CheckpointError(f"load_checkpoint: {ckpt_dir} holds {opt_meta.get('kind') or 'no'} optimizer state, "
                          f"not a {'torch.optim' if is_torch else 'Megatron'} optimizer's")
     same_layout = meta.get("layout") == _layout()
     with cuda_to_cpu():
@@ -314,7 +466,9 @@ def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
                                                                       loading=True)}
         if meta.get("rank_state") and same_layout:
             request[RANK_STATE_KEY] = ShardedObject(RANK_STATE_KEY, None, (_world_size(),), (_rank(),), replica_id=0)
-        loaded = dist_checkpointing.load(request, str(ckpt_dir))
+        check_shapes(request, ckpt_dir)
+        loaded = _dist_call("loading the model and optimizer", ckpt_dir, dist_checkpointing.load, request,
+                            str(ckpt_dir))
         _apply_model_state(gpt, loaded["model"], ckpt_dir)
         rank_state = loaded.get(RANK_STATE_KEY)
         if is_torch:
@@ -325,7 +479,8 @@ def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
         elif optimizer is not None:
             opt_sd = optimizer.sharded_state_dict(gpt.sharded_state_dict(), is_loading=True,
                                                   metadata=metadata or OPTIMIZER_METADATA)
-            loaded_opt = dist_checkpointing.load({"optimizer": opt_sd}, str(ckpt_dir))
+            loaded_opt = _dist_call("loading the optimizer", ckpt_dir, dist_checkpointing.load, {"optimizer": opt_sd},
+                                    str(ckpt_dir))
             with torch.no_grad():
                 optimizer.load_state_dict(loaded_opt["optimizer"])
     post_optimizer_hook(gpt)
@@ -340,7 +495,7 @@ def load_checkpoint(model, ckpt_dir, optimizer=None, metadata=None):
     ``ckpt_dir``: a checkpoint directory, or a save directory with a tracker. Returns the recipe.
     """
     if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"load_recipe: no checkpoint directory {ckpt_dir}")
+        raise CheckpointError(f"load_checkpoint: no checkpoint directory {ckpt_dir}")
     return _read(model, ckpt_dir, optimizer, metadata)["recipe"]
 
 
@@ -367,7 +522,7 @@ def save_iteration(model, save_dir, iteration: int, optimizer=None, *, common=No
     iteration = int(iteration)
     latest = latest_iteration(save_dir) if save_dir.is_dir() else None  # every rank: all raise together
     if latest is not None and latest > iteration and not replace:
-        raise FileExistsError(f"{save_dir} holds iteration {latest}; saving iteration {iteration} there would "
+        raise CheckpointError(f"{save_dir} holds iteration {latest}; saving iteration {iteration} there would "
                               f"move {TRACKER} backwards")
     final = iteration_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
