@@ -12,10 +12,15 @@ exporters share them) run as one GEMM; otherwise each shard runs with its own sc
 is exact where ModelOpt's `.max()` would not be. The first load fixes that plan (CUDA graphs
 replay it); a weight update that would need a different one is refused with a clear error. Static activation scales take the max over
 shards, as ModelOpt does (all shards read the same activation).
+Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`): dtype, shape,
+finite positive scales, NaN E4M3 bytes, RAC indices; `process_weights_after_loading` names any
+shard the first load did not write. So the forward runs without the kernels' value checks
+(`check_inputs=False`: no host sync per call).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import List, Optional, Tuple
 
@@ -27,36 +32,64 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.layers.utils import copy_or_rebind_param
 from sglang.srt.utils.common import set_weight_attrs
 
+from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
+                                          check_tensor_scale, checked_loader)
 from sglang_ext.kernels import w4a4_linear
 
+from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.plan.rollout_schema import GROUP_SIZE
 
 logger = logging.getLogger(__name__)
 
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 _UNSET_INDEX = -1
+# checkpoint (HF) names of the matrices SGLang merges, used in error messages
+_DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _shard_indices(layer: torch.nn.Module, shard_id) -> List[int]:
+    """The logical matrices a load with `shard_id` writes (None: all of them)."""
+    if shard_id is None:
+        return list(range(len(layer.logical_widths)))
+    if isinstance(shard_id, (tuple, list)):
+        return [int(s) for s in shard_id]
+    return [_QKV_SHARDS[shard_id] if isinstance(shard_id, str) else int(shard_id)]
+
+
+def _full_rows(layer: torch.nn.Module, shards: List[int]) -> Optional[int]:
+    """Output rows of the checkpoint tensor(s) of `shards` before TP sharding (None: not known)."""
+    if getattr(layer, "use_presharded_weights", False):
+        return None
+    if hasattr(layer, "total_num_kv_heads"):  # QKVParallelLinear: the checkpoint has every head once
+        sizes = [layer.total_num_heads * layer.head_size, layer.total_num_kv_heads * layer.head_size,
+                 layer.total_num_kv_heads * layer.v_head_size]
+    elif hasattr(layer, "output_sizes"):
+        sizes = list(layer.output_sizes)
+    else:
+        sizes = [layer.output_size]
+    if len(sizes) != len(layer.logical_widths):
+        return None
+    return sum(sizes[i] for i in shards)
 
 
 class PerShardIndexParameter(BasevLLMParameter):
     """int32 [shards * k]: one RAC channel set per logical matrix, loaded by shard id.
 
     The channels index the layer's input (K), which column-parallel layers do not shard,
-    so every rank loads the full set.
+    so every rank loads the full set. Each set is checked when it is loaded (count, range,
+    sorted, unique), so the forward does not have to.
     """
 
-    def __init__(self, data: torch.Tensor, weight_loader, num_shards: int, name: str):
+    def __init__(self, data: torch.Tensor, weight_loader, num_shards: int, k_in: int, shard_name):
         super().__init__(data=data, weight_loader=weight_loader)
         self.num_shards = num_shards
         self.k = data.numel() // num_shards
-        self.param_name = name
+        self.k_in = k_in
+        self.shard_name = shard_name
 
     def _load_shard(self, loaded_weight: torch.Tensor, shard: int) -> None:
-        if loaded_weight.dtype not in (torch.int32, torch.int64) or loaded_weight.ndim != 1 \
-                or loaded_weight.numel() != self.k:
-            raise ValueError(f"{self.param_name}: expected int32 [{self.k}] compensation channel "
-                             f"indices (rac_channels), got {loaded_weight.dtype} "
-                             f"{tuple(loaded_weight.shape)}")
-        self.data[shard * self.k:(shard + 1) * self.k].copy_(loaded_weight)
+        checked = check_comp_index(self.shard_name(shard), loaded_weight, self.k, self.k_in)
+        self.data[shard * self.k:(shard + 1) * self.k].copy_(checked)
 
     def load_column_parallel_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
         self._load_shard(loaded_weight, 0)
@@ -79,23 +112,39 @@ class QuadsLinearMethod(LinearMethodBase):
         self.rollout = quant_config.rollout
         self.prefix = prefix
 
+    # --- names -------------------------------------------------------------------------
+    def tensor_name(self, layer: torch.nn.Module, shard: Optional[int], pname: str) -> str:
+        """Checkpoint name of one shard's tensor: `model.layers.0.self_attn.k_proj.weight_scale`."""
+        name = self.prefix or type(layer).__name__
+        if shard is None or len(layer.logical_widths) == 1:
+            return f"{name}.{pname}"
+        head, _, last = name.rpartition(".")
+        packed = {**_DEFAULT_PACKED, **(getattr(self.quant_config, "packed_modules_mapping", None) or {})}
+        parts = packed.get(last)
+        if parts and len(parts) == len(layer.logical_widths):
+            return f"{head + '.' if head else ''}{parts[shard]}.{pname}"
+        return f"{name}.{pname} (shard {shard})"
+
+    def _names(self, layer: torch.nn.Module, shards: List[int], pname: str) -> str:
+        return ", ".join(self.tensor_name(layer, s, pname) for s in shards)
+
+    # --- weights -----------------------------------------------------------------------
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: List[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         name = self.prefix or type(layer).__name__
         if input_size_per_partition % GROUP_SIZE:
-            raise ValueError(f"{name}: NVFP4 needs the input size per partition to be a multiple "
-                             f"of {GROUP_SIZE}, got {input_size_per_partition}")
+            raise CheckpointError(f"{name}: NVFP4 needs the input size per partition to be a multiple "
+                                  f"of {GROUP_SIZE}, got {input_size_per_partition}")
         rac = self.rollout.uses_rac
         k = self.rollout.rac_channels
         if rac and input_size_per_partition != input_size:
-            raise NotImplementedError(
+            raise ConfigError(
                 f"{name}: RAC on a row-parallel layer with TP > 1 needs per-rank compensation "
                 f"channels; serve with precision w4a4 (QUADS_PRECISION=w4a4) or "
                 f"without tensor parallelism for this layer")
-        if rac and k > input_size_per_partition:
-            raise ValueError(f"{name}: rac_channels = {k} exceeds the {input_size_per_partition} "
-                             f"input channels")
+        if rac:
+            self.rollout.check_input_size(input_size_per_partition, name)
         weight_loader = extra_weight_attrs.get("weight_loader")
         n = sum(output_partition_sizes)
         shards = len(output_partition_sizes)
@@ -103,44 +152,84 @@ class QuadsLinearMethod(LinearMethodBase):
         layer.input_size_per_partition = input_size_per_partition
         layer.output_size_per_partition = n
         layer.params_dtype = params_dtype
+        layer.quads_input_size = input_size
+        layer.quads_slices = SliceLog()
+
+        def loader(pname: str):
+            return checked_loader(weight_loader, functools.partial(self._check_loaded, layer, pname))
 
         layer.register_parameter("weight", ModelWeightParameter(
             data=torch.empty(n, input_size_per_partition // 2, dtype=torch.uint8),
-            input_dim=1, output_dim=0, weight_loader=weight_loader))
+            input_dim=1, output_dim=0, weight_loader=loader("weight")))
         layer.register_parameter("weight_scale", ModelWeightParameter(
             data=torch.empty(n, input_size_per_partition // GROUP_SIZE, dtype=torch.float8_e4m3fn),
-            input_dim=1, output_dim=0, weight_loader=weight_loader))
+            input_dim=1, output_dim=0, weight_loader=loader("weight_scale")))
         # NaN marks "not loaded": process_weights_after_loading names the missing tensor.
         for pname in ("weight_scale_2", "input_scale"):
             p = PerTensorScaleParameter(data=torch.full((shards,), float("nan"), dtype=torch.float32),
-                                        weight_loader=weight_loader)
+                                        weight_loader=loader(pname))
             set_weight_attrs(p, {"needs_scalar_to_array": True})
             layer.register_parameter(pname, p)
         if rac:
             layer.register_parameter("input_comp_index", PerShardIndexParameter(
                 data=torch.full((shards * k,), _UNSET_INDEX, dtype=torch.int32),
-                weight_loader=weight_loader, num_shards=shards, name=f"{name}.input_comp_index"))
+                weight_loader=weight_loader, num_shards=shards, k_in=input_size_per_partition,
+                shard_name=lambda s: self.tensor_name(layer, s, "input_comp_index")))
+
+    def _check_loaded(self, layer: torch.nn.Module, pname: str, param, loaded: torch.Tensor,
+                      shard_id=None, *args, **kwargs) -> torch.Tensor:
+        """Check one checkpoint tensor before SGLang copies it; record the shards it writes."""
+        shards = _shard_indices(layer, shard_id)
+        name = self._names(layer, shards, pname) if shard_id is not None else self.tensor_name(layer, None, pname)
+        k = layer.quads_input_size
+        rows = _full_rows(layer, shards)
+        if pname == "weight":
+            loaded = check_packed_codes(name, loaded, (rows, k // 2))
+        elif pname == "weight_scale":
+            loaded = as_block_scale(name, loaded, (rows, k // GROUP_SIZE))
+        elif shard_id is None and loaded.numel() == len(shards) > 1:  # a pre-fused per-shard scale vector
+            for i, s in enumerate(shards):
+                check_tensor_scale(self.tensor_name(layer, s, pname), loaded.reshape(-1)[i], "scale")
+            loaded = loaded.to(torch.float32)
+        else:
+            loaded = check_tensor_scale(name, loaded, "scale")
+        layer.quads_slices.mark(pname, shards)
+        return loaded
 
     # --- after loading (runs again at the end of every RL weight update) ---------------
+    def _check_complete(self, layer: torch.nn.Module) -> None:
+        """Every shard's tensors were written by some load (a missing one would be uninitialized memory)."""
+        shards = list(range(len(layer.logical_widths)))
+        for pname in ("weight", "weight_scale"):
+            missing = layer.quads_slices.missing(pname, shards)
+            if missing:
+                raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint "
+                                      f"(expected for every shard of {self.prefix or type(layer).__name__})")
+        ws2 = layer.weight_scale_2.detach()
+        missing = torch.nonzero(torch.isnan(ws2)).flatten().tolist()
+        if missing:
+            raise CheckpointError(f"{self._names(layer, missing, 'weight_scale_2')}: missing from the checkpoint "
+                                  f"(expected one positive float32 per-tensor scale)")
+        if self.rollout.static_activation_scale:
+            missing = torch.nonzero(torch.isnan(layer.input_scale.detach())).flatten().tolist()
+            if missing:
+                raise CheckpointError(f"{self._names(layer, missing, 'input_scale')}: missing from the checkpoint "
+                                      f"(activation_scaling 'static' needs a per-tensor input scale)")
+        if self.rollout.uses_rac:
+            comp = layer.input_comp_index.detach().view(len(shards), -1)
+            missing = torch.nonzero((comp == _UNSET_INDEX).any(-1)).flatten().tolist()
+            if missing:
+                raise CheckpointError(f"{self._names(layer, missing, 'input_comp_index')}: missing from the "
+                                      f"checkpoint (precision 'w4a4_rac' needs RAC channels for every shard)")
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = self.prefix or type(layer).__name__
         shards = len(layer.logical_widths)
+        self._check_complete(layer)
         ws2 = layer.weight_scale_2.detach()
-        if bool(torch.isnan(ws2).any()) or bool((ws2 <= 0).any()):
-            raise ValueError(f"{name}.weight_scale_2: expected {shards} positive float32 per-tensor "
-                             f"scales from the checkpoint, got {ws2.tolist()} (NaN = not loaded)")
         if self.rollout.static_activation_scale:
-            ins = layer.input_scale.detach()
-            if bool(torch.isnan(ins).any()) or bool((ins <= 0).any()):
-                raise ValueError(f"{name}.input_scale: activation_scaling 'static' needs positive "
-                                 f"per-tensor input scales, got {ins.tolist()} (NaN = not loaded)")
-            copy_or_rebind_param(layer, "input_global_scale", ins.max().reshape(()))
-        comp = None
-        if self.rollout.uses_rac:
-            comp = layer.input_comp_index.detach().view(shards, -1)
-            if bool((comp == _UNSET_INDEX).any()):
-                raise ValueError(f"{name}.input_comp_index: precision 'w4a4_rac' needs the "
-                                 f"checkpoint's compensation channels for every shard")
+            copy_or_rebind_param(layer, "input_global_scale", layer.input_scale.detach().max().reshape(()))
+        comp = layer.input_comp_index.detach().view(shards, -1) if self.rollout.uses_rac else None
         shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
         # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
         # may not switch a fused layer to per-shard GEMMs (per-shard stays valid for any data).
@@ -153,7 +242,7 @@ class QuadsLinearMethod(LinearMethodBase):
             logger.info("%s: shards carry different weight_scale_2 / RAC channels; running one "
                         "GEMM per shard", name)
         elif layer.quads_shard_rows is None and not shared:
-            raise ValueError(
+            raise CheckpointError(
                 f"{name}: the updated weights give the merged shards different weight_scale_2 / "
                 f"RAC channels, but the layer was loaded with shared ones and runs as one GEMM "
                 f"(possibly inside captured CUDA graphs); export the update with shared global "
@@ -175,11 +264,12 @@ class QuadsLinearMethod(LinearMethodBase):
         if rows is None:
             ws2, comp = self._shard_args(layer, 0)
             return w4a4_linear(x, layer.weight, layer.weight_scale, ws2, act_mode=mode,
-                               comp_index=comp, input_scale=input_scale, bias=bias)
+                               comp_index=comp, input_scale=input_scale, bias=bias,
+                               check_inputs=False)
         outs = []
         for i, (lo, hi) in enumerate(rows):
             ws2, comp = self._shard_args(layer, i)
             outs.append(w4a4_linear(x, layer.weight[lo:hi], layer.weight_scale[lo:hi], ws2,
                                     act_mode=mode, comp_index=comp, input_scale=input_scale,
-                                    bias=None if bias is None else bias[lo:hi]))
+                                    bias=None if bias is None else bias[lo:hi], check_inputs=False))
         return torch.cat(outs, dim=-1)

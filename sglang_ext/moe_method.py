@@ -11,9 +11,14 @@ Parameters (ModelOpt names; checkpoint layout = compute layout, so RL reloads wr
   w2_input_comp_index                  int32 [E, k] (one set per expert)
 Derived after loading (same tensors refilled on every reload, so CUDA graphs stay valid):
   w13_global_scale [E], w13_comp_index [k], w13/w2_input_global_scale [].
+Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`), named by its
+HF name (`model.layers.0.mlp.experts.3.up_proj.weight_scale`), and `process_weights_after_loading`
+names any expert slice the first load did not write; the forward skips the kernels' value checks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.nn import Parameter
@@ -24,12 +29,36 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.layers.utils import copy_or_rebind_param
 from sglang.srt.utils.common import set_weight_attrs
 
+from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
+                                          check_tensor_scale, checked_loader)
 from sglang_ext.kernels import w4a4_fused_moe
 
+from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.plan.rollout_schema import GROUP_SIZE
 
 _SHARD_COLUMN = {"w1": 0, "w3": 1}
 _UNSET_INDEX = -1
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # HF names of SGLang's expert shards
+_TRACKED = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+
+
+def _modelopt_name(pname: str) -> str:
+    """`w13_weight_scale_2` -> `weight_scale_2`: the name of the per-expert tensor in the checkpoint."""
+    return pname.split("_", 1)[1]
+
+
+def _local_slots(layer: torch.nn.Module, expert_id: int) -> list:
+    """This rank's expert slots a checkpoint expert is written to (none when it lives on another rank)."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    meta = get_global_expert_location_metadata() if getattr(layer, "uses_expert_location", False) else None
+    ids = [expert_id] if meta is None else meta.logical_to_all_physical(layer.layer_id, expert_id, False)
+    out = []
+    for i in ids:
+        local = layer._map_global_expert_id_to_local_expert_id(i)
+        if 0 <= local < layer.num_local_experts:
+            out.append(local)
+    return out
 
 
 def _nan(*shape: int) -> torch.Tensor:
@@ -57,32 +86,34 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         if not cfg.is_gated or cfg.activation != "silu" or with_bias or \
                 cfg.apply_router_weight_on_input or cfg.gemm1_alpha is not None or \
                 cfg.swiglu_limit is not None or cfg.gemm1_clamp_limit is not None:
-            raise NotImplementedError(
+            raise ConfigError(
                 f"{name}: quads MoE runs SiLU(gate) * up experts without biases or clamps; got "
                 f"activation={cfg.activation!r}, is_gated={cfg.is_gated}, with_bias={with_bias}, "
                 f"apply_router_weight_on_input={cfg.apply_router_weight_on_input}")
         h, f = hidden_size, intermediate_size_per_partition
         if h % GROUP_SIZE or f % GROUP_SIZE:
-            raise ValueError(f"{name}: NVFP4 needs hidden size ({h}) and intermediate size per "
-                             f"partition ({f}) to be multiples of {GROUP_SIZE}")
+            raise CheckpointError(f"{name}: NVFP4 needs hidden size ({h}) and intermediate size per "
+                                  f"partition ({f}) to be multiples of {GROUP_SIZE}")
         k = self.rollout.rac_channels
         if self.rollout.uses_rac:
             if layer.moe_tp_size > 1:
-                raise NotImplementedError(
+                raise ConfigError(
                     f"{name}: RAC with expert tensor parallelism (moe_tp_size = "
                     f"{layer.moe_tp_size}) needs per-rank fc2 channels; use expert parallelism "
                     f"(--ep-size equal to --tp-size) or QUADS_PRECISION=w4a4")
-            if k > f or k > h:
-                raise ValueError(f"{name}: rac_channels = {k} exceeds hidden ({h}) or "
-                                 f"intermediate ({f}) size")
+            self.rollout.check_input_size(h, f"{name} (gate_proj / up_proj)")
+            self.rollout.check_input_size(f, f"{name} (down_proj)")
         e, e_global = num_experts, layer.num_experts
         loader = extra_weight_attrs["weight_loader"]
         layer.params_dtype = params_dtype
+        layer.quads_dims = (h, f * layer.moe_tp_size)  # the checkpoint's hidden and full intermediate size
+        layer.quads_slices = SliceLog()
 
         def add(pname: str, data: torch.Tensor, weight_loader=loader, **attrs) -> None:
             p = Parameter(data, requires_grad=False)
             layer.register_parameter(pname, p)
-            set_weight_attrs(p, {"weight_loader": weight_loader, **attrs})
+            checked = checked_loader(weight_loader, functools.partial(self._check_loaded, layer, pname))
+            set_weight_attrs(p, {"weight_loader": checked, **attrs})
 
         add("w13_weight", torch.empty(e, 2 * f, h // 2, dtype=torch.uint8))
         add("w2_weight", torch.empty(e, h, f // 2, dtype=torch.uint8))
@@ -110,18 +141,80 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         self.runner = None
 
     # --- after loading (runs again at the end of every RL weight update) ---------------
+    def tensor_name(self, layer: torch.nn.Module, expert_id: int, shard_id: str, pname: str) -> str:
+        """Checkpoint name of one expert's tensor: `model.layers.0.mlp.experts.3.up_proj.weight_scale`."""
+        return f"{self.prefix or 'experts'}.{expert_id}.{_PROJ[shard_id]}.{_modelopt_name(pname)}"
+
+    def _check_loaded(self, layer: torch.nn.Module, pname: str, param, loaded: torch.Tensor,
+                      weight_name: str = "", shard_id: str = "", expert_id: int = -1, *args, **kwargs
+                      ) -> torch.Tensor:
+        """Check one expert tensor before SGLang copies it; record the local slots it writes."""
+        if shard_id not in _PROJ:
+            raise CheckpointError(f"{weight_name or pname}: expert shard must be w1, w2 or w3, got {shard_id!r}")
+        name = self.tensor_name(layer, expert_id, shard_id, pname)
+        h, f = layer.quads_dims
+        fc1 = shard_id != "w2"
+        rows, k_in = (f, h) if fc1 else (h, f)
+        if pname.endswith("_weight"):
+            loaded = check_packed_codes(name, loaded, (rows, k_in // 2))
+        elif pname.endswith("_weight_scale"):
+            loaded = as_block_scale(name, loaded, (rows, k_in // GROUP_SIZE))
+        elif pname.endswith("_comp_index"):
+            loaded = check_comp_index(name, loaded, self.rollout.rac_channels, k_in)
+        else:
+            loaded = check_tensor_scale(name, loaded, "scale")
+        if pname in _TRACKED:
+            layer.quads_slices.mark(pname, [(e, shard_id) for e in _local_slots(layer, expert_id)])
+        return loaded
+
+    def _global_id(self, layer: torch.nn.Module, local: int) -> int:
+        return local + layer.moe_ep_rank * layer.num_local_experts
+
+    def _names(self, layer, slots, pname: str, local: bool = True) -> str:
+        """Names of (expert, shard) slots, at most 4 (then a count)."""
+        names = [self.tensor_name(layer, self._global_id(layer, e) if local else e, sid, pname)
+                 for e, sid in slots[:4]]
+        more = f" and {len(slots) - 4} more" if len(slots) > 4 else ""
+        return ", ".join(names) + more
+
+    def _check_complete(self, layer: torch.nn.Module) -> None:
+        """Every local expert's tensors were written by some load (else: uninitialized memory)."""
+        e = layer.num_local_experts
+        for pname in _TRACKED:
+            sids = ("w1", "w3") if pname.startswith("w13") else ("w2",)
+            missing = layer.quads_slices.missing(pname, [(i, sid) for i in range(e) for sid in sids])
+            if missing:
+                raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint")
+        for pname, sids in (("w13_weight_scale_2", ("w1", "w3")), ("w2_weight_scale_2", ("w2",))):
+            t = getattr(layer, pname).detach().reshape(e, -1)
+            missing = [(int(i), sids[int(j)]) for i, j in torch.nonzero(torch.isnan(t)).tolist()]
+            if missing:
+                raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint "
+                                      f"(expected one positive float32 per-tensor scale)")
+        if self.rollout.static_activation_scale:
+            for pname, sids in (("w13_input_scale", ("w1", "w3")), ("w2_input_scale", ("w2",))):
+                t = getattr(layer, pname).detach().reshape(layer.num_experts, -1)
+                missing = [(int(i), sids[int(j)]) for i, j in torch.nonzero(torch.isnan(t)).tolist()]
+                if missing:
+                    raise CheckpointError(f"{self._names(layer, missing, pname, local=False)}: missing from the "
+                                          f"checkpoint (activation_scaling 'static' needs every input_scale)")
+        if self.rollout.uses_rac:
+            for pname, sids in (("w13_input_comp_index", ("w1", "w3")), ("w2_input_comp_index", ("w2",))):
+                t = getattr(layer, pname).detach()
+                unset = (t == _UNSET_INDEX).any(-1).reshape(e, -1)
+                missing = [(int(i), sids[int(j)]) for i, j in torch.nonzero(unset).tolist()]
+                if missing:
+                    raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint "
+                                          f"(precision 'w4a4_rac' needs RAC channels for gate_proj, up_proj "
+                                          f"and down_proj of every expert)")
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = self.prefix or "FusedMoE"
+        self._check_complete(layer)
         ws13 = layer.w13_weight_scale_2.detach()
-        ws2 = layer.w2_weight_scale_2.detach()
-        for pname, t in (("w13_weight_scale_2", ws13), ("w2_weight_scale_2", ws2)):
-            if bool(torch.isnan(t).any()) or bool((t <= 0).any()):
-                bad = torch.nonzero(torch.isnan(t) | (t <= 0))[:, 0].unique().tolist()
-                raise ValueError(f"{name}.{pname}: experts {bad[:8]} have no positive per-tensor "
-                                 f"scale (not in the checkpoint?)")
         differ = (ws13[:, 0] != ws13[:, 1]).nonzero().flatten().tolist()
         if differ:
-            raise ValueError(
+            raise CheckpointError(
                 f"{name}.w13_weight_scale_2: gate and up of experts {differ[:8]} have different "
                 f"global scales ({ws13[differ[0]].tolist()}); QUADS and ModelOpt export one shared "
                 f"scale per expert (quads_megatron.nvfp4.quantize_with_shared_scale)")
@@ -129,22 +222,13 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         if self.rollout.static_activation_scale:
             for src, dst in (("w13_input_scale", "w13_input_global_scale"),
                              ("w2_input_scale", "w2_input_global_scale")):
-                s = getattr(layer, src).detach()
-                if bool(torch.isnan(s).any()) or bool((s <= 0).any()):
-                    raise ValueError(f"{name}.{src}: activation_scaling 'static' needs a positive "
-                                     f"input_scale for every expert (NaN = not loaded)")
-                copy_or_rebind_param(layer, dst, s.max().reshape(()))
+                copy_or_rebind_param(layer, dst, getattr(layer, src).detach().max().reshape(()))
         if self.rollout.uses_rac:
-            c13 = layer.w13_input_comp_index.detach()
-            c2 = layer.w2_input_comp_index.detach()
-            if bool((c13 == _UNSET_INDEX).any()) or bool((c2 == _UNSET_INDEX).any()):
-                raise ValueError(f"{name}: precision 'w4a4_rac' needs input_comp_index for "
-                                 f"gate_proj, up_proj and down_proj of every expert")
-            flat = c13.reshape(-1, c13.shape[-1])
+            flat = layer.w13_input_comp_index.detach().reshape(-1, self.rollout.rac_channels)
             if not bool((flat == flat[0]).all()):
-                raise ValueError(f"{name}.w13_input_comp_index: fc1 reads the same hidden states "
-                                 f"for every expert, so gate_proj and up_proj of all experts must "
-                                 f"carry one shared channel set")
+                raise CheckpointError(f"{name}.w13_input_comp_index: fc1 reads the same hidden states "
+                                      f"for every expert, so gate_proj and up_proj of all experts must "
+                                      f"carry one shared channel set (input_comp_index)")
             copy_or_rebind_param(layer, "w13_comp_index", flat[0].contiguous())
 
     # --- forward -----------------------------------------------------------------------
@@ -167,7 +251,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             w13_comp_index=layer.w13_comp_index if rac else None,
             w2_comp_index=layer.w2_input_comp_index if rac else None,
             w13_input_scale=layer.w13_input_global_scale if static else None,
-            w2_input_scale=layer.w2_input_global_scale if static else None)
+            w2_input_scale=layer.w2_input_global_scale if static else None, check_inputs=False)
         return StandardCombineInput(hidden_states=out)
 
 
@@ -185,7 +269,7 @@ class _ExpertSlotLoader:
     def __call__(self, param: Parameter, loaded_weight: torch.Tensor, weight_name: str,
                  shard_id: str, expert_id: int) -> None:
         if shard_id not in ("w1", "w2", "w3"):
-            raise ValueError(f"{weight_name}: shard_id must be w1, w2 or w3, got {shard_id!r}")
+            raise CheckpointError(f"{weight_name}: shard_id must be w1, w2 or w3, got {shard_id!r}")
         if not self.global_experts:
             expert_id = self.layer._map_global_expert_id_to_local_expert_id(expert_id)
             if expert_id < 0:
@@ -196,7 +280,7 @@ class _ExpertSlotLoader:
         loaded = loaded_weight.reshape(slot.shape) if loaded_weight.numel() == slot.numel() \
             else None
         if loaded is None:
-            raise ValueError(f"{weight_name} (expert {expert_id}, {shard_id}): expected "
+            raise CheckpointError(f"{weight_name} (expert {expert_id}, {shard_id}): expected "
                              f"{tuple(slot.shape) or 'a scalar'} ({slot.dtype}), got "
                              f"{tuple(loaded_weight.shape)}")
         slot.copy_(loaded)

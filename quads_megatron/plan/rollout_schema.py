@@ -30,6 +30,13 @@ semantics), W4A16 for ``W4A16_NVFP4``, RAC off.  A serving process may override 
 checkpoint's choice with ``QUADS_PRECISION``, ``QUADS_ACTIVATION_SCALING`` and
 ``QUADS_RAC_CHANNELS`` (SGLang's spawned scheduler processes inherit them); they are read
 here and nowhere else.
+
+Every bad field is a ``CheckpointError`` naming the file and the field (``config.json
+quantization_config.rac_channels: ...``): wrong types, unknown values, unknown quads keys, a
+flat config without ``quant_method``, a ``quads`` block that is not ``quant_method: "quads"``,
+an ``exclude_modules`` string (refused, not read as a list of one: write ``["lm_head"]``), a
+``rac_index_tensor`` other than ``input_comp_index`` (the only name the loader reads).
+A bad environment override is a ``ConfigError`` naming the variable.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from quads_megatron import vocab
+from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.vocab import ActivationScaling, Precision
 
 QUANT_METHOD = "quads"
@@ -49,6 +57,12 @@ ENV_PRECISION = "QUADS_PRECISION"
 ENV_ACTIVATION_SCALING = "QUADS_ACTIVATION_SCALING"
 ENV_RAC_CHANNELS = "QUADS_RAC_CHANNELS"
 MODELOPT_NVFP4_ALGOS = {"NVFP4": Precision.W4A4, "W4A16_NVFP4": Precision.W4A16}
+MODELOPT_METHODS = ("modelopt", "modelopt_fp4")
+DEFAULT_ORIGIN = "quantization_config"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -63,35 +77,51 @@ class RolloutQuantConfig:
     weight_format: str = WEIGHT_FORMAT
     rac_index_tensor: str = COMP_INDEX_TENSOR
     source: str = QUANT_METHOD  # "quads" or "modelopt": which checkpoint format was read
+    origin: str = field(default=DEFAULT_ORIGIN, compare=False, repr=False)  # "<file> <section>" for errors
 
     def __post_init__(self) -> None:
-        self.precision = vocab.parse_precision(self.precision, "quantization_config.precision")
-        self.activation_scaling = vocab.parse_scaling(self.activation_scaling,
-                                                      "quantization_config.activation_scaling")
+        self.precision = self._enum(vocab.parse_precision, self.precision, "precision")
+        self.activation_scaling = self._enum(vocab.parse_scaling, self.activation_scaling, "activation_scaling")
         self.validate()
 
+    def _enum(self, parse, value, name: str):
+        """Parse an enum field; an unknown value or a non-string is a CheckpointError naming the field."""
+        try:
+            return parse(value, f"{self.origin}.{name}")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+
+    def _fail(self, name: str, message: str) -> None:
+        raise CheckpointError(f"{self.origin}.{name}: {message}")
+
     def validate(self) -> None:
-        """Raise a clear ValueError for any field outside what the kernels support."""
+        """Raise a CheckpointError naming the field for anything outside what the kernels support."""
         if not isinstance(self.weight_format, str) or self.weight_format.upper() != WEIGHT_FORMAT:
-            raise ValueError(f"quantization_config.quant_algo: expected {WEIGHT_FORMAT!r}, "
-                             f"got {self.weight_format!r}")
-        if self.group_size != GROUP_SIZE:
-            raise ValueError(f"quantization_config.group_size: NVFP4 uses {GROUP_SIZE}, got "
-                             f"{self.group_size!r}")
+            self._fail("quant_algo", f"expected {WEIGHT_FORMAT!r}, got {self.weight_format!r}")
+        if not _is_int(self.group_size) or self.group_size != GROUP_SIZE:
+            self._fail("group_size", f"NVFP4 uses the integer {GROUP_SIZE}, got {self.group_size!r}")
         if not self.precision.quantizes_weights:
-            raise ValueError("quantization_config.precision: 'bf16' is not a quantized checkpoint "
-                             "(drop quantization_config, or use w4a16 / w4a4 / w4a4_rac)")
+            self._fail("precision", "'bf16' is not a quantized checkpoint (drop quantization_config, "
+                                    "or use w4a16 / w4a4 / w4a4_rac)")
         k = self.rac_channels
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k % GROUP_SIZE:
-            raise ValueError(f"quantization_config.rac_channels: expected a multiple of "
-                             f"{GROUP_SIZE} >= 0, got {k!r}")
+        if not _is_int(k) or k < 0 or k % GROUP_SIZE:
+            self._fail("rac_channels", f"expected an integer multiple of {GROUP_SIZE} >= 0, got {k!r}")
         if self.precision.uses_rac and k == 0:
-            raise ValueError("quantization_config: precision 'w4a4_rac' needs rac_channels > 0 "
-                             "(and input_comp_index tensors in the checkpoint)")
-        if not isinstance(self.exclude_modules, list) or not all(
-                isinstance(m, str) for m in self.exclude_modules):
-            raise ValueError(f"quantization_config.exclude_modules: expected a list of module "
-                             f"name patterns, got {self.exclude_modules!r}")
+            self._fail("rac_channels", "precision 'w4a4_rac' needs rac_channels > 0 (and input_comp_index "
+                                       "tensors in the checkpoint), got 0")
+        if isinstance(self.exclude_modules, str):
+            self._fail("exclude_modules", f"expected a list of module name patterns, got the string "
+                                          f"{self.exclude_modules!r} (write [{self.exclude_modules!r}])")
+        if not isinstance(self.exclude_modules, list) or not all(isinstance(m, str) for m in self.exclude_modules):
+            self._fail("exclude_modules", f"expected a list of module name patterns, got {self.exclude_modules!r}")
+        if self.rac_index_tensor != COMP_INDEX_TENSOR:
+            self._fail("rac_index_tensor", f"the quads loader reads RAC channels from tensors named "
+                                           f"{COMP_INDEX_TENSOR!r} only, got {self.rac_index_tensor!r}")
+
+    def check_input_size(self, k_in: int, layer: str) -> None:
+        """rac_channels must fit the input of every RAC layer (k <= K): CheckpointError naming the layer."""
+        if self.uses_rac and self.rac_channels > k_in:
+            self._fail("rac_channels", f"{self.rac_channels} exceeds the {k_in} input channels of {layer}")
 
     @property
     def uses_rac(self) -> bool:
@@ -128,34 +158,44 @@ def _modelopt_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return nested if isinstance(nested, Mapping) else config
 
 
-def _from_modelopt(config: Mapping[str, Any]) -> RolloutQuantConfig:
+def _is_nested(config: Mapping[str, Any]) -> bool:
+    return isinstance(config.get("quantization"), Mapping)
+
+
+def _from_modelopt(config: Mapping[str, Any], origin: str) -> RolloutQuantConfig:
     section = _modelopt_section(config)
-    algo = str(section.get("quant_algo") or "").upper()
-    if algo not in MODELOPT_NVFP4_ALGOS:
-        raise ValueError(f"quantization_config: --quantization quads reads ModelOpt NVFP4 "
-                         f"checkpoints (quant_algo one of {sorted(MODELOPT_NVFP4_ALGOS)}), got "
-                         f"quant_algo {section.get('quant_algo')!r}")
-    exclude = section.get("exclude_modules", section.get("ignore",
-                                                         section.get("modules_to_not_convert")))
-    if isinstance(exclude, str):
-        exclude = [exclude]
+    where = f"{origin}.quantization" if _is_nested(config) else origin
+    algo = section.get("quant_algo")
+    if not isinstance(algo, str) or algo.upper() not in MODELOPT_NVFP4_ALGOS:
+        raise CheckpointError(f"{where}.quant_algo: --quantization quads reads ModelOpt NVFP4 checkpoints "
+                              f"(one of {sorted(MODELOPT_NVFP4_ALGOS)}), got {algo!r}")
+    keys = [k for k in ("exclude_modules", "ignore", "modules_to_not_convert") if k in section]
+    exclude = section[keys[0]] if keys else []
+    if exclude is None:
+        exclude = []
     return RolloutQuantConfig(
-        precision=MODELOPT_NVFP4_ALGOS[algo],
+        precision=MODELOPT_NVFP4_ALGOS[algo.upper()],
         activation_scaling=ActivationScaling.STATIC,
         rac_channels=0,
-        exclude_modules=list(exclude or []),
-        group_size=int(section.get("group_size", GROUP_SIZE)),
+        exclude_modules=exclude if not isinstance(exclude, (list, tuple)) else list(exclude),
+        group_size=section.get("group_size", GROUP_SIZE),
         source="modelopt",
+        origin=where,
     )
 
 
 def is_modelopt_nvfp4(config: Optional[Mapping[str, Any]]) -> bool:
-    """True for a ModelOpt NVFP4 quantization config (flat, nested, or SGLang-parsed)."""
-    if not config:
+    """True for a ModelOpt NVFP4 quantization config (flat with a modelopt quant_method, nested, or SGLang-parsed)."""
+    if not config or not isinstance(config, Mapping):
         return False
     section = _modelopt_section(config)
-    return (str(section.get("quant_algo") or "").upper() in MODELOPT_NVFP4_ALGOS
-            and str(config.get("quant_method", "modelopt")).lower() != QUANT_METHOD)
+    algo = section.get("quant_algo")
+    if not isinstance(algo, str) or algo.upper() not in MODELOPT_NVFP4_ALGOS:
+        return False
+    method = config.get("quant_method")
+    if method is None:
+        return _is_nested(config)  # ModelOpt's hf_quant_config.json names no quant_method
+    return isinstance(method, str) and method.lower() in MODELOPT_METHODS
 
 
 _QUADS_KEYS = {"quant_method", "quant_algo", "group_size", "precision", "activation_scaling",
@@ -163,67 +203,81 @@ _QUADS_KEYS = {"quant_method", "quant_algo", "group_size", "precision", "activat
                "calibration"}
 
 
-def _from_quads(config: Mapping[str, Any]) -> RolloutQuantConfig:
+def _from_quads(config: Mapping[str, Any], origin: str) -> RolloutQuantConfig:
     unknown = sorted(set(config) - _QUADS_KEYS)
     if unknown:
-        raise ValueError(f"quantization_config: unknown quads keys {unknown} (written by another "
-                         f"version? known: {sorted(_QUADS_KEYS)})")
+        raise CheckpointError(f"{origin}: unknown quads keys {unknown} (written by another version? "
+                              f"known: {sorted(_QUADS_KEYS)})")
     if "precision" not in config:
-        raise ValueError("quantization_config: quant_method 'quads' without 'precision' "
-                         "(expected one of w4a16, w4a4, w4a4_rac)")
-    exclude = config.get("exclude_modules", [])
-    if isinstance(exclude, str):
-        raise ValueError(f"quantization_config.exclude_modules: expected a list of module "
-                         f"patterns, got the string {exclude!r}")
+        raise CheckpointError(f"{origin}.precision: missing (quant_method 'quads' needs one of w4a16, w4a4, w4a4_rac)")
     return RolloutQuantConfig(
         precision=config["precision"],
         activation_scaling=config.get("activation_scaling", ActivationScaling.PER_TOKEN.value),
         rac_channels=config.get("rac_channels", 0),
-        exclude_modules=list(exclude),
+        exclude_modules=config.get("exclude_modules", []),
         group_size=config.get("group_size", GROUP_SIZE),
         weight_format=config.get("quant_algo", WEIGHT_FORMAT),
         rac_index_tensor=config.get("rac_index_tensor", COMP_INDEX_TENSOR),
+        origin=origin,
     )
 
 
-def parse_quantization_config(config: Mapping[str, Any], env: Optional[Mapping[str, str]] = None
-                              ) -> RolloutQuantConfig:
+def parse_quantization_config(config: Mapping[str, Any], env: Optional[Mapping[str, str]] = None,
+                              origin: str = DEFAULT_ORIGIN) -> RolloutQuantConfig:
     """RolloutQuantConfig from a config.json ``quantization_config`` or an hf_quant_config.json dict.
 
+    ``origin`` names the file and section in errors (``"<dir>/config.json quantization_config"``);
     ``env`` (default os.environ) supplies the serving-time overrides (module docstring).
     """
     if not isinstance(config, Mapping):
-        raise ValueError(f"quantization_config: expected a JSON object, got {type(config).__name__}")
-    if isinstance(config.get(QUANT_METHOD), Mapping):
+        raise CheckpointError(f"{origin}: expected a JSON object, got {type(config).__name__}")
+    if QUANT_METHOD in config:
         # hf_quant_config.json of a QUADS export: the ModelOpt summary plus the full quads block
-        config = config[QUANT_METHOD]
-    method = str(config.get("quant_method", "")).lower()
-    if method == QUANT_METHOD:
-        parsed = _from_quads(config)
-    elif is_modelopt_nvfp4(config):
-        parsed = _from_modelopt(config)
+        config, origin = config[QUANT_METHOD], f"{origin}.{QUANT_METHOD}"
+        if not isinstance(config, Mapping):
+            raise CheckpointError(f"{origin}: expected a JSON object, got {type(config).__name__}")
+        if config.get("quant_method") != QUANT_METHOD:
+            raise CheckpointError(f"{origin}.quant_method: the quads block must say {QUANT_METHOD!r}, got "
+                                  f"{config.get('quant_method')!r}")
+    method = config.get("quant_method")
+    if method is not None and not isinstance(method, str):
+        raise CheckpointError(f"{origin}.quant_method: expected a string, got {method!r}")
+    if isinstance(method, str) and method.lower() == QUANT_METHOD:
+        parsed = _from_quads(config, origin)
+    elif is_modelopt_nvfp4(config) or (isinstance(method, str) and method.lower() in MODELOPT_METHODS):
+        parsed = _from_modelopt(config, origin)
+    elif method is None and not _is_nested(config):
+        raise CheckpointError(f"{origin}.quant_method: missing (expected 'quads', or 'modelopt' with quant_algo "
+                              f"NVFP4); refusing to guess the format")
     else:
-        raise ValueError(f"quantization_config: expected quant_method 'quads' or a ModelOpt NVFP4 "
-                         f"config, got quant_method {config.get('quant_method')!r} / quant_algo "
-                         f"{_modelopt_section(config).get('quant_algo')!r}")
+        raise CheckpointError(f"{origin}.quant_method: expected 'quads' or a ModelOpt NVFP4 config, got "
+                              f"quant_method {method!r} / quant_algo {_modelopt_section(config).get('quant_algo')!r}")
     return apply_env_overrides(parsed, os.environ if env is None else env)
 
 
 def apply_env_overrides(cfg: RolloutQuantConfig, env: Mapping[str, str]) -> RolloutQuantConfig:
-    """Apply QUADS_PRECISION / QUADS_ACTIVATION_SCALING / QUADS_RAC_CHANNELS."""
+    """Apply QUADS_PRECISION / QUADS_ACTIVATION_SCALING / QUADS_RAC_CHANNELS (a bad value: ConfigError)."""
     fields = dict(precision=cfg.precision, activation_scaling=cfg.activation_scaling,
                   rac_channels=cfg.rac_channels, exclude_modules=list(cfg.exclude_modules),
                   group_size=cfg.group_size, weight_format=cfg.weight_format,
-                  rac_index_tensor=cfg.rac_index_tensor, source=cfg.source)
-    if env.get(ENV_PRECISION):
-        fields["precision"] = vocab.parse_precision(env[ENV_PRECISION], ENV_PRECISION)
-    if env.get(ENV_ACTIVATION_SCALING):
-        fields["activation_scaling"] = vocab.parse_scaling(env[ENV_ACTIVATION_SCALING],
-                                                           ENV_ACTIVATION_SCALING)
+                  rac_index_tensor=cfg.rac_index_tensor, source=cfg.source, origin=cfg.origin)
+    try:
+        if env.get(ENV_PRECISION):
+            fields["precision"] = vocab.parse_precision(env[ENV_PRECISION], ENV_PRECISION)
+        if env.get(ENV_ACTIVATION_SCALING):
+            fields["activation_scaling"] = vocab.parse_scaling(env[ENV_ACTIVATION_SCALING], ENV_ACTIVATION_SCALING)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if env.get(ENV_RAC_CHANNELS):
         try:
             fields["rac_channels"] = int(env[ENV_RAC_CHANNELS])
         except ValueError:
-            raise ValueError(f"{ENV_RAC_CHANNELS}: expected an integer, got "
-                             f"{env[ENV_RAC_CHANNELS]!r}") from None
-    return RolloutQuantConfig(**fields)
+            raise ConfigError(f"{ENV_RAC_CHANNELS}: expected an integer, got {env[ENV_RAC_CHANNELS]!r}") from None
+    overridden = any(env.get(v) for v in (ENV_PRECISION, ENV_ACTIVATION_SCALING, ENV_RAC_CHANNELS))
+    if not overridden:
+        return cfg
+    fields["origin"] = f"{cfg.origin} with the QUADS_* environment overrides"
+    try:
+        return RolloutQuantConfig(**fields)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None

@@ -52,11 +52,11 @@ def test_env_overrides_turn_rac_on_for_modelopt():
     ({"quant_method": "quads", "precision": "w4a4", "group_size": 32}, "group_size"),
     ({"quant_method": "quads", "precision": "w4a4", "activation_scaling": "per_channel"},
      "activation_scaling"),
-    ({"quant_method": "quads"}, "without 'precision'"),
+    ({"quant_method": "quads"}, r"precision: missing"),
     ({"quant_method": "quads", "precision": "w4a4", "activation_mod": "w4a4"}, "unknown quads keys"),
     ({"quant_method": "quads", "precision": "bf16"}, "not a quantized checkpoint"),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, "ModelOpt NVFP4"),
-    ({"quant_method": "awq"}, "expected quant_method 'quads'"),
+    ({"quant_method": "awq"}, "quant_method: expected 'quads'"),
 ])
 def test_bad_configs_name_the_field(cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -175,7 +175,7 @@ def test_missing_tensor_is_named(sglang_runtime):
     del tensors[2]["input_comp_index"]
     layer, _ = _build("qkv", cfg)
     _load_all(layer, shards, tensors)
-    with pytest.raises(ValueError, match=r"input_comp_index.*every shard"):
+    with pytest.raises(ValueError, match=r"model.layers.0.qkv.input_comp_index \(shard 2\): missing"):
         layer.quant_method.process_weights_after_loading(layer)
 
 
@@ -186,7 +186,7 @@ def test_bad_index_and_row_parallel_rac_errors(sglang_runtime):
         layer.input_comp_index.weight_loader(layer.input_comp_index,
                                              torch.zeros(8, dtype=torch.int32))
     layer, shards = _build("qkv", cfg)
-    with pytest.raises(ValueError, match=r"expected int32 \[16\]"):
+    with pytest.raises(ValueError, match=r"qkv.input_comp_index \(shard 1\): expected 16 RAC channel indices"):
         layer.input_comp_index.weight_loader(layer.input_comp_index,
                                              torch.zeros(8, dtype=torch.int32), "k")
 

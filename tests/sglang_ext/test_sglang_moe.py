@@ -144,7 +144,7 @@ def test_missing_down_proj_comp_index_is_an_error(sglang_runtime):
     ckpt = _expert_checkpoint(31)
     del ckpt["experts.3.down_proj.input_comp_index"]
     _load(layer, ckpt)
-    with pytest.raises(ValueError, match=r"input_comp_index for gate_proj, up_proj and down_proj"):
+    with pytest.raises(ValueError, match=r"experts\.3\.down_proj\.input_comp_index: missing"):
         layer.quant_method.process_weights_after_loading(layer)
 
 
