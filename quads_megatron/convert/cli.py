@@ -1,23 +1,55 @@
-"""Shared argparse flags and the error/signal handling of the three conversion commands."""
+"""Shared argparse flags, their up-front checks, and the error/signal handling of the three conversion commands."""
 
 import argparse
+import os
 import sys
 
 import torch
 
-from quads_megatron.errors import run_cli
+from quads_megatron.errors import ConfigError, run_cli
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_UNITS = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB' or a plain byte count -> bytes (HF ``max_shard_size`` spelling)."""
-    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    t = text.strip().upper()
-    for unit, factor in units.items():
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """'5GB', '500MB', '2GiB' or a plain byte count -> bytes (HF ``max_shard_size`` spelling); ConfigError otherwise."""
+    t = str(text).strip().upper()
+    factor = 1
+    for unit, f in _UNITS.items():
         if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * factor)
-    return int(t)
+            t, factor = t[: -len(unit)].strip(), f
+            break
+    try:
+        size = int(float(t) * factor)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected a size such as 5GB, 500MB, 2GiB or a byte count") from None
+    if size <= 0:
+        raise ConfigError(f"{flag} {text!r}: must be positive")
+    return size
+
+
+def check_positive(**flags) -> None:
+    """ConfigError for the first ``--flag-name=value`` (given as flag_name=value) that is not a positive int."""
+    for name, value in flags.items():
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+
+
+def check_device(device: str) -> torch.device:
+    """The ``--device`` as a torch.device: cpu or cuda[:N], and cuda only when a GPU is there."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA GPU is available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return dev
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +68,35 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 
 
+def world_size() -> int:
+    """The process count torchrun launched (1 for a plain process)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def check_parallel_args(args, dims=None) -> None:
+    """Positive layout flags that fit the world size and, given ``dims`` (qwen3_moe.Dims), the model."""
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size
+    check_positive(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    etp = etp or tp
+    world = world_size()
+    if world % tp or world % (etp * ep):
+        hint = " (run it under torchrun --nproc-per-node N)" if world == 1 else ""
+        raise ConfigError(f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} / "
+                          f"--expert-tensor-parallel-size {etp}: do not fit {world} process(es){hint}")
+    if dims is None:
+        return
+    for what, n, by, flag in (("num_attention_heads", dims.num_heads, tp, "tensor-model-parallel-size"),
+                              ("num_key_value_heads", dims.num_kv_heads, tp, "tensor-model-parallel-size"),
+                              ("num_experts", dims.num_experts, ep, "expert-model-parallel-size"),
+                              ("moe_intermediate_size", dims.moe_ffn, etp, "expert-tensor-parallel-size")):
+        if n % by:
+            raise ConfigError(f"--{flag} {by}: does not divide the model's {what}={n}")
+
+
 def run(main, argv=None) -> int:
     """Run a converter's ``main(argv)`` through the project's one error path (``quads_megatron.errors.run_cli``)."""
-    import os
-
     return run_cli(main, argv, prog=os.path.basename(sys.argv[0]) or "quads-convert")

@@ -8,7 +8,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quads_megatron.errors import CheckpointError
+from quads_megatron.errors import CheckpointError, NonFiniteError
+from quads_megatron.integrity import verify_manifest
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,14 +25,31 @@ _ST_DTYPES = {
 
 
 def read_json(path, what: str) -> dict:
-    """Load a JSON file, or raise CheckpointError naming it."""
+    """Load a JSON object from a file, or raise CheckpointError naming it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{what} not found: {path}")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
+
+
+def check_finite(name: str, t: torch.Tensor, where) -> torch.Tensor:
+    """``t`` unchanged, or NonFiniteError naming tensor ``name`` (in ``where``) when it holds NaN/Inf."""
+    if t.is_floating_point() and t.numel():
+        bad = ~torch.isfinite(t.float() if t.element_size() == 1 else t)
+        if bool(bad.any()):
+            first = int(bad.flatten().nonzero()[0])
+            kind = "NaN" if bool(t.flatten()[first].float().isnan()) else "Inf"
+            raise NonFiniteError(f"{where}: tensor {name} holds {int(bad.sum())} non-finite value(s) "
+                                 f"(first: {kind} at flat index {first}); expected finite weights")
+    return t
 
 
 def write_json(path, data: dict) -> None:
@@ -42,14 +60,16 @@ def write_json(path, data: dict) -> None:
 class HFCheckpoint:
     """Read-only view of ``config.json`` + safetensors (single file or indexed shards) of one directory.
 
-    Opening parses every shard header, so a truncated or corrupt file, an index entry whose file
-    or tensor is missing, or a tensor stored in two files fails here with the file named.
+    Opening verifies ``quads_manifest.json`` when there is one (a flipped byte is named) and parses every
+    shard header, so a truncated or corrupt file, an index entry whose file or tensor is missing, or a
+    tensor stored in two files fails here with the file named.  ``get`` refuses NaN/Inf by name.
     """
 
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"Hugging Face checkpoint directory not found: {self.path}")
+        verify_manifest(self.path)
         self.config = read_json(self.path / "config.json", "config.json")
         self._handles = {}
         self.weight_map = self._load_weight_map()
@@ -110,10 +130,12 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {st}")
         return _ST_DTYPES[st]
 
-    def get(self, name) -> torch.Tensor:
-        """The whole tensor (loaded from the mmap'd file)."""
+    def get(self, name, *, finite: bool = True) -> torch.Tensor:
+        """The whole tensor (loaded from the mmap'd file); NonFiniteError naming it when it holds NaN/Inf
+        (``finite=False``: no check, e.g. for bit-level comparisons)."""
         self._slice(name)  # clear error when absent
-        return self._open(self.weight_map[name]).get_tensor(name)
+        t = self._open(self.weight_map[name]).get_tensor(name)
+        return check_finite(name, t, self.path / self.weight_map[name]) if finite else t
 
     def validate(self, expected: dict, *, dtype: torch.dtype | None = None, dtypes: dict | None = None,
                  what: str = "config.json"):

@@ -40,9 +40,13 @@ def megatron_listing(hf_config: dict, tp: int = 1, divisible_by: int = 128) -> l
 
 def main(argv=None):
     args = parse_args(argv)
-    check_output_path(args.save_dir, force=args.force)
+    cli.check_parallel_args(args)
+    inputs = [("--load-dir", args.load_dir)]
+    check_output_path(args.save_dir, force=args.force, inputs=inputs)
     ckpt = HFCheckpoint(args.load_dir)
-    dims = qwen3_moe.dims_from_hf_config(ckpt.config)
+    dims = qwen3_moe.dims_from_hf_config(ckpt.config, str(ckpt.path / "config.json"))
+    qwen3_moe.hf_top_k(ckpt.config, str(ckpt.path / "config.json"))
+    cli.check_parallel_args(args, dims)
     ckpt.validate(qwen3_moe.hf_shapes(dims))
     if args.dry_run:
         listing = megatron_listing(ckpt.config, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by)
@@ -63,7 +67,7 @@ def main(argv=None):
         spec="te" if args.transformer_impl == "transformer_engine" else "local",
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     load_hf_into_megatron(model, ckpt, progress=not args.no_progress and _is_rank0())
-    save_megatron_checkpoint(model, args.save_dir, ckpt.config, force=args.force)
+    save_megatron_checkpoint(model, args.save_dir, ckpt.config, force=args.force, inputs=inputs)
     if _is_rank0():
         print(f"wrote {args.save_dir}")
 

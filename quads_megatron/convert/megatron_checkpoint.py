@@ -3,24 +3,105 @@
 A checkpoint saved here is ``{"model": model.sharded_state_dict(), "hf_config": <config.json>}``:
 the sharded tensors under Megatron's global keys (readable by any TP/EP layout, and by
 Megatron-LM's own loader) plus the HF config in the common state, so Megatron -> HF needs no
-side files.  Megatron-LM training directories (``latest_checkpointed_iteration.txt`` +
-``iter_NNNNNNN/``, e.g. a GRPO ``--save`` directory) are resolved to their latest iteration.
-The reading side is ``quads_megatron.megatron.checkpoint``'s (one path for trainer and converters);
-this module turns its errors into ``CheckpointError``.
+side files, and ``quads_manifest.json`` (per-file SHA-256).  Megatron-LM training directories
+(``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``, e.g. a GRPO ``--save`` directory) are
+resolved to their latest iteration.  ``MegatronCheckpoint`` checks every file of a checkpoint (manifest,
+``metadata.json``, ``.metadata``, shard sizes, ``common.pt``) and a config against the stored shapes
+before any model is built; the weights are then read through ``quads_megatron.megatron.checkpoint``
+(one path for trainer and converters), whose errors this module turns into ``CheckpointError``.
 """
 
+import contextlib
 import json
-import shutil
+import os
+import pickle
+import queue
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from quads_megatron.convert import qwen3_moe
-from quads_megatron.errors import CheckpointError
 from quads_megatron.convert.megatron_params import padded_vocab_size
-from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir, make_temp_dir
+from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir, make_temp_dir, remove_temp_dir
+from quads_megatron.errors import CheckpointError, Interrupted
+from quads_megatron.integrity import verify_manifest, write_manifest
 from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY
+
+METADATA_JSON = "metadata.json"
+DCP_METADATA = ".metadata"
+COMMON_PT = "common.pt"
+# HF config fields the weights were trained with: --hf-config / --preset must agree with the stored ones.
+ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "num_experts", "moe_intermediate_size", "num_experts_per_tok", "tie_word_embeddings",
+               "norm_topk_prob")
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as ``Type: first line`` (library messages can span many lines)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _reraise_interrupt(e: BaseException) -> None:
+    """torch.distributed.checkpoint wraps every BaseException of a rank (our ``Interrupted`` too) into
+    ``CheckpointException``: re-raise the signal so it ends the run as a signal, not as a bad checkpoint."""
+    for failure in (getattr(e, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (Interrupted, KeyboardInterrupt)):
+            raise inner
+    cause = e.__cause__ or e.__context__
+    if isinstance(cause, (Interrupted, KeyboardInterrupt)):
+        raise cause
+
+
+# ---------------------------------------------------------------- writing without orphans
+
+_IN_SAVE = []       # non-empty while a save runs: forked children then get _child_after_fork
+_FORK_HOOK = []
+
+
+def _child_after_fork() -> None:
+    """In a process forked during a save (Megatron's shard writers): default signal actions, and die
+    with the parent (PR_SET_PDEATHSIG), so killing the converter never leaves a writer holding its stdout."""
+    if not _IN_SAVE:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def no_orphan_writers():
+    """Run a dist_checkpointing save without a multiprocessing Manager server, its forked shard writers
+    dying with this process.
+
+    Megatron's torch_dist writer collects results through a spawn-context ``Manager().Queue()``: a
+    server process that outlives a killed parent and keeps its stdout/stderr open (a ``| tee`` then
+    hangs).  A synchronous save runs the collector in this process, so a thread queue does the job.
+    """
+    if not _FORK_HOOK and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_child_after_fork)
+        _FORK_HOOK.append(True)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    patch = hasattr(fsa, "_results_queue")
+    previous = getattr(fsa, "_results_queue", None)
+    if patch:
+        fsa._results_queue = queue.Queue()
+    _IN_SAVE.append(True)
+    try:
+        yield
+    finally:
+        _IN_SAVE.clear()
+        if patch:
+            fsa._results_queue = previous
 
 
 def build_model_from_hf_config(hf_config: dict, *, tp: int = 1, ep: int = 1, etp=None, spec: str = "local",
@@ -59,21 +140,37 @@ def _broadcast_path(path):
     return Path(box[0])
 
 
-def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = False) -> Path:
-    """Save ``model`` (every rank calls this) to ``out_dir`` atomically: a temporary sibling directory
-    is written by all ranks, then renamed by rank 0 once everyone finished."""
-    from megatron.core import dist_checkpointing
 
-    out_dir = check_output_path(out_dir, force=force)
+def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = False, inputs=()) -> Path:
+    """Save ``model`` (every rank calls this) to ``out_dir`` atomically: a temporary sibling directory
+    is written by all ranks, gets ``quads_manifest.json`` from rank 0, and is renamed by rank 0 once
+    everyone finished.  A signal removes the temporary directory and ends the run; an OSError (full or
+    read-only filesystem) is a CheckpointError naming ``out_dir``."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out_dir = check_output_path(out_dir, force=force, inputs=inputs)
     tmp = _broadcast_path(make_temp_dir(out_dir) if _rank() == 0 else None)
     try:
         state = {"model": model.sharded_state_dict(), HF_CONFIG_KEY: json.dumps(hf_config, sort_keys=True)}
-        dist_checkpointing.save(state, str(tmp))
+        with no_orphan_writers():
+            dist_checkpointing.save(state, str(tmp))
         if dist.is_initialized():
             dist.barrier()
+        if _rank() == 0:
+            write_manifest(tmp)
+    except CheckpointException as e:
+        if _rank() == 0:
+            remove_temp_dir(tmp)
+        _reraise_interrupt(e)
+        raise CheckpointError(f"output {out_dir}: writing the checkpoint failed ({_one_line(e)})") from None
+    except OSError as e:
+        if _rank() == 0:
+            remove_temp_dir(tmp)
+        raise CheckpointError(f"output {out_dir}: write failed ({e.filename or tmp}): {e.strerror or e}") from None
     except BaseException:
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_temp_dir(tmp)
         raise
     if _rank() == 0:
         commit_temp_dir(tmp, out_dir)
@@ -83,22 +180,171 @@ def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = F
 
 
 def resolve_checkpoint_dir(path) -> Path:
-    """The torch_dist directory itself, or the latest ``iter_*`` of a Megatron-LM save directory."""
+    """The torch_dist directory itself, or the tracker's ``iter_*`` of a Megatron-LM save directory;
+    CheckpointError for a missing directory, a bad tracker, or a missing / malformed ``metadata.json``."""
     from quads_megatron.megatron import checkpoint as mckpt
 
-    if not Path(path).is_dir():
+    path = Path(path)
+    if not path.is_dir():
         raise CheckpointError(f"Megatron checkpoint directory not found: {path}")
+    tracker = path / mckpt.TRACKER
     try:
-        return mckpt.resolve_checkpoint_dir(path)
-    except (FileNotFoundError, ValueError) as e:
+        it = mckpt.read_tracker(path)
+    except ValueError as e:
         raise CheckpointError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{tracker}: unreadable ({_one_line(e)})") from None
+    if it is not None:
+        path = mckpt.iteration_dir(path, it)
+        if not path.is_dir():
+            raise CheckpointError(f"{tracker} names iteration {it}, but {path} is missing")
+    meta = path / METADATA_JSON
+    if not meta.is_file():
+        raise CheckpointError(f"{path}: not a Megatron dist_checkpointing checkpoint (no {METADATA_JSON}, "
+                              f"no {mckpt.TRACKER})")
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta}: not valid JSON ({_one_line(e)})") from None
+    if not isinstance(doc, dict) or doc.get("sharded_backend") != "torch_dist":
+        found = doc.get("sharded_backend") if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointError(f"{meta}: expected a dist_checkpointing config with sharded_backend 'torch_dist', "
+                              f"found {found!r}")
+    return path
+
+
+class MegatronCheckpoint:
+    """Read-only view of a torch_dist checkpoint, every file checked before a model is built.
+
+    Opening verifies ``quads_manifest.json`` (when there is one: a flipped byte in a ``.distcp``
+    shard is named), reads ``.metadata`` (global tensor shapes, shard files), checks every shard
+    file exists and is long enough for what ``.metadata`` puts in it, and reads ``common.pt``.
+    """
+
+    def __init__(self, path):
+        self.load_dir = Path(path)
+        self.path = resolve_checkpoint_dir(path)
+        verify_manifest(self.path)
+        self.shapes, self.files = self._read_dcp_metadata()
+        self._check_shards()
+        self.common = self._read_common()
+
+    def _read_dcp_metadata(self) -> tuple:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        f = self.path / DCP_METADATA
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (the checkpoint's tensor index)")
+        try:
+            md = FileSystemReader(str(self.path)).read_metadata()
+        except Exception as e:  # a damaged pickle: UnpicklingError, EOFError, AttributeError, ...
+            raise CheckpointError(f"{f}: truncated or corrupt ({_one_line(e)})") from None
+        shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        files = {}
+        for info in (md.storage_data or {}).values():
+            end = int(info.offset) + int(info.length)
+            files[info.relative_path] = max(files.get(info.relative_path, 0), end)
+        return shapes, files
+
+    def _check_shards(self) -> None:
+        for rel, need in sorted(self.files.items()):
+            f = self.path / rel
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing shard (listed in {self.path / DCP_METADATA})")
+            if f.stat().st_size < need:
+                raise CheckpointError(f"{f}: truncated shard ({f.stat().st_size} bytes, {DCP_METADATA} needs {need})")
+
+    def _read_common(self) -> dict:
+        from megatron.core import dist_checkpointing
+
+        f = self.path / COMMON_PT
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (the checkpoint's common state)")
+        try:
+            common = dist_checkpointing.load_common_state_dict(str(self.path))
+        except Exception as e:  # torch.load of a damaged file: UnpicklingError, RuntimeError (zip), EOFError, ...
+            raise CheckpointError(f"{f}: truncated or corrupt ({_one_line(e)})") from None
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{f}: expected a dict of common state, found {type(common).__name__}")
+        return common
+
+    def stored_hf_config(self) -> dict | None:
+        """The HF config the weights were written with (common state, else the save directory's hf/), or None."""
+        text = self.common.get(HF_CONFIG_KEY)
+        if text is not None:
+            try:
+                cfg = json.loads(text)
+            except (TypeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{self.path / COMMON_PT}: stored {HF_CONFIG_KEY} is not JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise CheckpointError(f"{self.path / COMMON_PT}: stored {HF_CONFIG_KEY} is not a JSON object")
+            return cfg
+        side = hf_side_dir(self.load_dir)
+        if side is None:
+            return None
+        from transformers import AutoConfig
+
+        try:  # save_pretrained leaves out default values: let transformers fill them in
+            return AutoConfig.from_pretrained(str(side)).to_dict()
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{side / 'config.json'}: {_one_line(e)}") from None
+
+    def check_config(self, hf_config: dict, source: str, *, tp: int = 1, divisible_by: int = 128) -> None:
+        """Refuse a config whose shapes disagree with ``.metadata`` or whose architecture fields differ from
+        the stored config, before any model is built (a 30B preset on a tiny checkpoint fails here)."""
+        dims = qwen3_moe.dims_from_hf_config(hf_config, source)
+        for key, want in expected_stored_shapes(dims).items():
+            have = self.shapes.get(key)
+            if key == "output_layer.weight" and dims.tie_word_embeddings and have is not None:
+                raise CheckpointError(f"{self.path}: holds {key} {list(have)}, but {source} has "
+                                      "tie_word_embeddings=true")
+            if have is None:
+                if key in ("embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight"):
+                    raise CheckpointError(f"{self.path / DCP_METADATA}: no tensor {key}; not a Qwen3-MoE checkpoint")
+                continue
+            if len(want) != len(have) or any(w is not None and w != h for w, h in zip(want, have)):
+                shown = ["V" if w is None else w for w in want]
+                raise CheckpointError(f"{self.path}: tensor {key} has shape {list(have)}, {source} implies {shown}")
+        rows = self.shapes["embedding.word_embeddings.weight"][0]
+        if dims.vocab_size > rows:
+            raise CheckpointError(f"{source}: vocab_size={dims.vocab_size}, but the checkpoint's embedding "
+                                  f"({self.path}) has only {rows} rows")
+        padded = padded_vocab_size(dims.vocab_size, tp, divisible_by)
+        if padded != rows:
+            raise CheckpointError(f"{source}: vocab_size={dims.vocab_size} pads to {padded} rows (TP={tp}, "
+                                  f"--make-vocab-size-divisible-by {divisible_by}); the checkpoint's embedding "
+                                  f"({self.path}) has {rows}")
+        stored = self.stored_hf_config()
+        if stored is None or stored == hf_config:
+            return
+        for field in ARCH_FIELDS:
+            if field in stored and field in hf_config and stored[field] != hf_config[field]:
+                raise CheckpointError(f"{source}: {field}={hf_config[field]!r}, but the checkpoint {self.path} was "
+                                      f"written with {field}={stored[field]!r}")
+
+
+def expected_stored_shapes(dims) -> dict:
+    """Global shapes (None: not fixed by the config) of the stacked torch_dist tensors a config implies."""
+    L, H, E, F, D = dims.num_layers, dims.hidden_size, dims.num_experts, dims.moe_ffn, dims.head_dim
+    qkv = (dims.num_heads + 2 * dims.num_kv_heads) * D
+    return {
+        "embedding.word_embeddings.weight": (None, H),
+        "output_layer.weight": (None, H),
+        "decoder.final_layernorm.weight": (H,),
+        "decoder.layers.self_attention.linear_qkv.weight": (L, qkv, H),
+        "decoder.layers.self_attention.linear_proj.weight": (L, H, dims.num_heads * D),
+        "decoder.layers.self_attention.q_layernorm.weight": (L, D),
+        "decoder.layers.self_attention.k_layernorm.weight": (L, D),
+        "decoder.layers.mlp.router.weight": (L, E, H),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": (L, E, 2 * F, H),
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": (L, E, H, F),
+    }
 
 
 def read_common_state(ckpt_dir) -> dict:
     """The non-sharded (rank-0) objects of a checkpoint: ``hf_config``, ``quads_recipe`` (trainer's), loop state."""
-    from quads_megatron.megatron import checkpoint as mckpt
-
-    return mckpt.load_common_state(resolve_checkpoint_dir(ckpt_dir))
+    return MegatronCheckpoint(ckpt_dir).common
 
 
 def hf_side_dir(load_dir) -> Path | None:
@@ -112,20 +358,12 @@ def hf_side_dir(load_dir) -> Path | None:
 def read_hf_config(ckpt_dir) -> dict:
     """The HF config.json stored in a checkpoint (``save_megatron_checkpoint``, the GRPO loop), else the one
     in the save directory's ``hf/``."""
-    common = read_common_state(ckpt_dir)
-    if HF_CONFIG_KEY in common:
-        return json.loads(common[HF_CONFIG_KEY])
-    side = hf_side_dir(ckpt_dir)
-    if side is not None:
-        from transformers import AutoConfig
-
-        try:  # save_pretrained leaves out default values: let transformers fill them in
-            return AutoConfig.from_pretrained(str(side)).to_dict()
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{side / 'config.json'}: {e}") from None
-    raise CheckpointError(f"{ckpt_dir}: has no stored '{HF_CONFIG_KEY}' (not written by quads-convert-hf-"
-                          "to-megatron) and no hf/config.json beside it; pass --hf-config with the model's "
-                          "config.json, or --preset")
+    cfg = MegatronCheckpoint(ckpt_dir).stored_hf_config()
+    if cfg is None:
+        raise CheckpointError(f"{ckpt_dir}: has no stored '{HF_CONFIG_KEY}' (not written by quads-convert-hf-"
+                              "to-megatron) and no hf/config.json beside it; pass --hf-config with the model's "
+                              "config.json, or --preset")
+    return cfg
 
 
 def hf_config_from_preset(preset: str) -> dict:
@@ -140,16 +378,23 @@ def hf_config_from_preset(preset: str) -> dict:
 def load_megatron_checkpoint(model, ckpt_dir) -> None:
     """Load a torch_dist checkpoint written by any TP/EP layout into ``model`` (every rank calls this).
 
-    Missing tensors or shape mismatches come out as CheckpointError naming the key.
+    Missing tensors, shape mismatches and unreadable shards come out as CheckpointError naming the
+    directory; a signal during the load stays a signal.
     """
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from quads_megatron.megatron import checkpoint as mckpt
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     try:
         mckpt.load_model_state(model, ckpt_dir)
+    except CheckpointException as e:
+        _reraise_interrupt(e)
+        raise CheckpointError(f"{ckpt_dir}: cannot load into the model ({_one_line(e)})") from None
     except CheckpointingException as e:
-        raise CheckpointError(f"{ckpt_dir}: cannot load into the model: {e}") from None
+        raise CheckpointError(f"{ckpt_dir}: cannot load into the model: {_one_line(e)}") from None
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{ckpt_dir}: truncated or corrupt shard data ({_one_line(e)})") from None
     except ValueError as e:  # tensors missing for the model
         raise CheckpointError(str(e)) from None

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from quads_megatron.convert import cli, qwen3_moe
-from quads_megatron.errors import CheckpointError
-from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, format_listing,
-                                                  read_json, write_json)
+from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite,
+                                                  format_listing, read_json, write_json)
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.megatron.checkpoint import RECIPE_KEY   # the trainer's common-state key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -45,22 +45,29 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_hf_config(args) -> dict:
-    """--hf-config, else --preset, else the config stored in the checkpoint (or in its save directory's hf/)."""
+def load_hf_config(args, ckpt) -> tuple:
+    """``(config, where it came from)``: --hf-config, else --preset, else the config stored in the checkpoint
+    ``ckpt`` (a MegatronCheckpoint; or in its save directory's hf/)."""
     from quads_megatron.convert.megatron_checkpoint import hf_config_from_preset, read_hf_config
 
     if args.hf_config:
         path = Path(args.hf_config)
-        return read_json(path / "config.json" if path.is_dir() else path, "--hf-config")
+        path = path / "config.json" if path.is_dir() else path
+        return read_json(path, "--hf-config"), f"--hf-config {path}"
     if args.preset:
-        return hf_config_from_preset(args.preset)
-    return read_hf_config(args.load_dir)
+        return hf_config_from_preset(args.preset), f"--preset {args.preset}"
+    stored = ckpt.stored_hf_config()
+    if stored is None:
+        read_hf_config(args.load_dir)    # raises the error that says what to pass
+    return stored, f"the config stored in {ckpt.path}"
 
 
 def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtype, force=False, dry_run=False,
-                        max_shard_bytes: int, tokenizer_dir=None, recipe_json: str | None = None):
+                        max_shard_bytes: int, tokenizer_dir=None, recipe_json: str | None = None, inputs=(),
+                        source="the Megatron checkpoint"):
     """Write ``(name, tensor)`` pairs + config.json as an HF checkpoint, validated before it appears.
 
+    A NaN/Inf tensor is refused by its HF name (``source`` says where it came from).
     ``recipe_json`` (the trainer's QuadsRecipe) is kept as ``quads_recipe.json``, which
     ``quads-export-rollout`` then uses by default.
     """
@@ -73,12 +80,12 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
             writer.add(name, t)
         print(format_listing(writer.listing, writer.close() + ["config.json"]))
         return None
-    with atomic_output_dir(save_dir, force=force) as tmp:
+    with atomic_output_dir(save_dir, force=force, inputs=inputs) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
         for name, t in weights:
             if name not in expected:
                 raise CheckpointError(f"model produced tensor {name}, which config.json does not describe")
-            writer.add(name, t.to(dtype))
+            writer.add(name, check_finite(name, t.to(dtype), source))
         writer.close()
         write_json(tmp / "config.json", config)
         if recipe_json:
@@ -94,36 +101,46 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
 
 def main(argv=None):
     args = parse_args(argv)
+    cli.check_parallel_args(args)
+    max_shard_bytes = cli.parse_size(args.max_shard_size)
     from quads_megatron.convert.live import iter_hf_weights
-    from quads_megatron.convert.megatron_checkpoint import (build_model_from_hf_config, hf_side_dir,
-                                                            load_megatron_checkpoint, read_common_state)
+    from quads_megatron.convert.megatron_checkpoint import (MegatronCheckpoint, build_model_from_hf_config,
+                                                            hf_side_dir, load_megatron_checkpoint)
     from quads_megatron.megatron.parallel import initialize_distributed
 
-    tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    initialize_distributed(tp=tp, ep=ep, etp=etp)
-    rank0 = dist.get_rank() == 0
-    if rank0 and not args.dry_run:
-        check_output_path(args.save_dir, force=args.force)
-    hf_config = load_hf_config(args)
     tokenizer_dir = args.tokenizer_dir
     if tokenizer_dir is None and hf_side_dir(args.load_dir) is not None:
         tokenizer_dir = hf_side_dir(args.load_dir)
+    inputs = [("--load-dir", args.load_dir), ("--hf-config", args.hf_config), ("--tokenizer-dir", tokenizer_dir)]
+    if not args.dry_run:
+        check_output_path(args.save_dir, force=args.force, inputs=inputs)
+    # every file and the config's shapes are checked before a model is built
+    ckpt = MegatronCheckpoint(args.load_dir)
+    hf_config, source = load_hf_config(args, ckpt)
+    tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    ckpt.check_config(hf_config, source, tp=tp, divisible_by=args.make_vocab_size_divisible_by)
+    dims = qwen3_moe.dims_from_hf_config(hf_config, source)
+    cli.check_parallel_args(args, dims)
+    initialize_distributed(tp=tp, ep=ep, etp=etp)
+    rank0 = dist.get_rank() == 0
     # params in the output dtype: the checkpoint's values are cast once, on load (fp32 output of an fp32
     # trainer checkpoint is exact)
     model = build_model_from_hf_config(
         hf_config, tp=tp, ep=ep, etp=etp, spec="te" if args.transformer_impl == "transformer_engine" else "local",
         params_dtype=cli.DTYPES[args.dtype], make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    load_megatron_checkpoint(model, args.load_dir)
-    recipe_json = read_common_state(args.load_dir).get(RECIPE_KEY) if rank0 else None
-    dims = qwen3_moe.dims_from_hf_config(hf_config)
+    load_megatron_checkpoint(model, ckpt.path)
+    recipe_json = ckpt.common.get(RECIPE_KEY) if rank0 else None
     weights = iter_hf_weights(model, vocab_size=dims.vocab_size, progress=rank0 and not args.no_progress)
     if rank0:
         try:
             out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
-                                      dry_run=args.dry_run, max_shard_bytes=cli.parse_size(args.max_shard_size),
-                                      tokenizer_dir=tokenizer_dir, recipe_json=recipe_json)
+                                      dry_run=args.dry_run, max_shard_bytes=max_shard_bytes,
+                                      tokenizer_dir=tokenizer_dir, recipe_json=recipe_json, inputs=inputs,
+                                      source=str(ckpt.path))
             if out is not None:
                 print(f"wrote {out}")
+        except Interrupted:
+            raise                # every rank got the signal: no gathers to keep going
         except BaseException:
             for _ in weights:  # keep the other ranks' gathers going so they exit instead of hanging
                 pass

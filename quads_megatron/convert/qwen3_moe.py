@@ -135,33 +135,71 @@ class Dims:
         return self.num_heads // self.num_kv_heads
 
 
-def dims_from_hf_config(cfg: dict) -> Dims:
-    """Validate that ``cfg`` (config.json) is a Qwen3-MoE this table covers, and read its numbers."""
+_REQUIRED = object()
+
+
+def _int_field(cfg: dict, key: str, source: str, default=_REQUIRED, minimum: int = 1) -> int:
+    """``cfg[key]`` as a real int >= ``minimum`` (a string, float or bool is refused, not converted)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{source}: missing field {key!r}")
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"{source}: {key} must be an integer, found {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise CheckpointError(f"{source}: {key} must be >= {minimum}, found {value}")
+    return value
+
+
+def hf_top_k(cfg: dict, source: str = "config.json") -> int:
+    """``num_experts_per_tok``: an int in [1, number of experts]."""
+    dims_from_hf_config(cfg, source)   # the range check against the experts
+    return _int_field(cfg, "num_experts_per_tok", source)
+
+
+def dims_from_hf_config(cfg: dict, source: str = "config.json") -> Dims:
+    """Validate that ``cfg`` (config.json, named ``source`` in errors) is a Qwen3-MoE this table covers:
+    every size a positive int (not a string), ``num_experts_per_tok`` within the experts; read its numbers."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, found {type(cfg).__name__}")
     if cfg.get("model_type") != HF_MODEL_TYPE:
-        raise CheckpointError(f"config.json: model_type {cfg.get('model_type')!r}, expected {HF_MODEL_TYPE!r}")
+        raise CheckpointError(f"{source}: model_type {cfg.get('model_type')!r}, expected {HF_MODEL_TYPE!r}")
     arch = cfg.get("architectures") or [HF_ARCHITECTURE]
-    if HF_ARCHITECTURE not in arch:
-        raise CheckpointError(f"config.json: architectures {arch}, expected {HF_ARCHITECTURE}")
+    if not isinstance(arch, list) or HF_ARCHITECTURE not in arch:
+        raise CheckpointError(f"{source}: architectures {arch}, expected {HF_ARCHITECTURE}")
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-        raise CheckpointError("config.json: dense (mlp_only_layers / decoder_sparse_step != 1) Qwen3-MoE "
+        raise CheckpointError(f"{source}: dense (mlp_only_layers / decoder_sparse_step != 1) Qwen3-MoE "
                               "layers are not supported by this converter")
     if cfg.get("attention_bias"):
-        raise CheckpointError("config.json: attention_bias=true is not supported (Qwen3-MoE has none)")
-    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    try:
-        dims = Dims(
-            vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
-            num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
-            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
-            num_experts=int(num_experts), moe_ffn=int(cfg["moe_intermediate_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"config.json: missing or invalid field {e}") from None
+        raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3-MoE has none)")
+    experts_key = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
+    heads = _int_field(cfg, "num_attention_heads", source)
+    hidden = _int_field(cfg, "hidden_size", source)
+    head_dim = _int_field(cfg, "head_dim", source) if cfg.get("head_dim") is not None else None
+    if head_dim is None:
+        if hidden % heads:
+            raise CheckpointError(f"{source}: no head_dim and hidden_size={hidden} is not a multiple of "
+                                  f"num_attention_heads={heads}")
+        head_dim = hidden // heads
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{source}: tie_word_embeddings must be true or false, found {tie!r}")
+    dims = Dims(
+        vocab_size=_int_field(cfg, "vocab_size", source), hidden_size=hidden,
+        num_layers=_int_field(cfg, "num_hidden_layers", source), num_heads=heads,
+        num_kv_heads=_int_field(cfg, "num_key_value_heads", source, default=heads),
+        head_dim=head_dim, num_experts=_int_field(cfg, experts_key, source),
+        moe_ffn=_int_field(cfg, "moe_intermediate_size", source), tie_word_embeddings=tie,
+    )
     if dims.num_heads % dims.num_kv_heads:
-        raise CheckpointError(f"config.json: num_attention_heads={dims.num_heads} is not a multiple of "
+        raise CheckpointError(f"{source}: num_attention_heads={dims.num_heads} is not a multiple of "
                               f"num_key_value_heads={dims.num_kv_heads}")
+    if "num_experts_per_tok" in cfg:
+        top_k = _int_field(cfg, "num_experts_per_tok", source)
+        if top_k > dims.num_experts:
+            raise CheckpointError(f"{source}: num_experts_per_tok={top_k} is larger than {experts_key}="
+                                  f"{dims.num_experts}")
     return dims
 
 
@@ -218,7 +256,7 @@ def megatron_config_kwargs(cfg: dict) -> dict:
         num_layers=dims.num_layers, hidden_size=dims.hidden_size,
         ffn_hidden_size=int(cfg.get("intermediate_size") or 4 * dims.hidden_size),
         num_attention_heads=dims.num_heads, num_query_groups=dims.num_kv_heads, kv_channels=dims.head_dim,
-        num_moe_experts=dims.num_experts, moe_router_topk=int(cfg["num_experts_per_tok"]),
+        num_moe_experts=dims.num_experts, moe_router_topk=hf_top_k(cfg),
         moe_ffn_hidden_size=dims.moe_ffn, layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         # norm_topk_prob: top-k then softmax (= renormalised) vs softmax over all, then top-k.
         moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),

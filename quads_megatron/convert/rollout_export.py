@@ -22,8 +22,9 @@ from tqdm import tqdm
 from quads_megatron import nvfp4, vocab
 from quads_megatron.convert import cli, qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
-from quads_megatron.errors import CheckpointError
-from quads_megatron.convert.hf_checkpoint import HFCheckpoint, ShardedSafetensorsWriter, format_listing, write_json
+from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite, format_listing,
+                                                  write_json)
+from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
 from quads_megatron.plan import QuantPlan, quantize_scale_groups
@@ -51,7 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--calib-data", default=None,
                    help=".txt (a prompt per line) or .jsonl ('text'/'prompt'); default: random tokens (tiny models)")
     p.add_argument("--calib-size", type=int, default=64, help="number of calibration prompts")
-    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration prompt (truncated)")
+    p.add_argument("--calib-seq-len", type=int, default=None,
+                   help="tokens per calibration prompt (longer ones are cut); at most the model's "
+                        "max_position_embeddings, default: 256 or that limit when smaller")
     p.add_argument("--device", default="cpu",
                    help="where calibration and quantization run (cuda: Triton NVFP4 kernels, bit-identical)")
     p.add_argument("--tokenizer-dir", default=None, help="tokenizer for --calib-data (default: --load-dir)")
@@ -69,7 +72,11 @@ def load_recipe(args):
     if args.recipe and not recipe_path.is_file():
         raise CheckpointError(f"--recipe {recipe_path}: file not found")
     try:
-        recipe = QuadsRecipe.from_json(recipe_path.read_text()) if recipe_path.is_file() else QuadsRecipe()
+        text = recipe_path.read_text() if recipe_path.is_file() else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{recipe_path}: unreadable recipe ({e})") from None
+    try:
+        recipe = QuadsRecipe.from_json(text) if text is not None else QuadsRecipe()
         if args.format == "modelopt":
             return recipe.replace(rollout_precision=Precision.W4A4, activation_scaling=ActivationScaling.STATIC)
         return recipe.replace(rollout_precision=args.rollout_precision,
@@ -205,12 +212,39 @@ def quant_configs(fmt: str, plan: QuantPlan, calib_info: dict) -> tuple:
     return qc, {**summary, "quads": qc}
 
 
+def check_args(args) -> list:
+    """Flag checks before anything is read; returns the ``(flag, path)`` inputs the output must not overlap."""
+    cli.check_positive(calib_size=args.calib_size, calib_seq_len=args.calib_seq_len)
+    if args.rac_channels is not None and args.rac_channels < 0:
+        raise ConfigError(f"--rac-channels {args.rac_channels}: must be >= 0")
+    cli.check_device(args.device)
+    cli.parse_size(args.max_shard_size)
+    return [("--load-dir", args.load_dir), ("--tokenizer-dir", args.tokenizer_dir),
+            ("--calib-data", args.calib_data), ("--recipe", args.recipe)]
+
+
+def check_calibration_fits(args, config: dict, source: str) -> None:
+    """Settle --calib-seq-len: at most the model's max_position_embeddings (positions past it are outside
+    what RoPE was trained on); default 256 or that limit."""
+    limit = config.get("max_position_embeddings")
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    if args.calib_seq_len is None:
+        args.calib_seq_len = min(256, limit or 256)
+    elif limit is not None and args.calib_seq_len > limit:
+        raise ConfigError(f"--calib-seq-len {args.calib_seq_len}: longer than the model's max_position_embeddings="
+                          f"{limit} ({source})")
+
+
 def export_rollout(args) -> Path | None:
+    inputs = check_args(args)
     recipe = load_recipe(args)
     if not args.dry_run:
-        check_output_path(args.save_dir, force=args.force)
+        check_output_path(args.save_dir, force=args.force, inputs=inputs)
     ckpt = HFCheckpoint(args.load_dir)
-    dims = qwen3_moe.dims_from_hf_config(ckpt.config)
+    source = str(ckpt.path / "config.json")
+    dims = qwen3_moe.dims_from_hf_config(ckpt.config, source)
+    qwen3_moe.hf_top_k(ckpt.config, source)
+    check_calibration_fits(args, ckpt.config, source)
     ckpt.validate(qwen3_moe.hf_shapes(dims))
     try:
         plan = QuantPlan.resolve(recipe, dims)
@@ -234,11 +268,11 @@ def export_rollout(args) -> Path | None:
     if plan.rollout_precision.quantizes_activations:
         calib, calib_info = run_calibration(args, dims, plan)
     qc, summary = quant_configs(args.format, plan, calib_info)
-    with atomic_output_dir(args.save_dir, force=args.force) as tmp:
+    with atomic_output_dir(args.save_dir, force=args.force, inputs=inputs) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_bytes)
         for name, t in tqdm(rollout_tensors(ckpt, plan, calib, args.device), total=len(shapes),
                             desc=f"export {args.format}", disable=args.no_progress, unit="tensor"):
-            writer.add(name, t)
+            writer.add(name, check_finite(name, t, f"the rollout tensors computed from {args.load_dir}"))
         writer.close()
         write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qc})
         write_json(tmp / "hf_quant_config.json", summary)
@@ -256,7 +290,7 @@ def run_calibration(args, dims, plan):
 
     if args.calib_data:
         prompts = load_prompts(args.calib_data, args.tokenizer_dir or args.load_dir,
-                               num_samples=args.calib_size, seq_len=args.calib_seq_len)
+                               num_samples=args.calib_size, seq_len=args.calib_seq_len, vocab_size=dims.vocab_size)
         source = str(args.calib_data)
     else:
         print(f"quads-export-rollout: no --calib-data; calibrating on {args.calib_size} random token "

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quads_megatron.convert import cli, qwen3_moe, rollout_export
-from quads_megatron.convert.errors import CheckpointError
+from quads_megatron.errors import CheckpointError, Interrupted, signals_as_interrupt
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint, ShardedSafetensorsWriter
-from quads_megatron.convert.output_dir import atomic_output_dir, sigterm_as_exit
+from quads_megatron.convert.output_dir import atomic_output_dir
 
 EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
 
@@ -120,8 +120,8 @@ def test_interrupted_export_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
 
 def test_sigterm_cleans_the_temporary_directory(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(SystemExit):
-        with sigterm_as_exit(), atomic_output_dir(out) as tmp:
+    with pytest.raises(Interrupted):
+        with signals_as_interrupt(), atomic_output_dir(out) as tmp:
             (tmp / "half.safetensors").write_bytes(b"x")
             os.kill(os.getpid(), signal.SIGTERM)
     assert list(tmp_path.iterdir()) == []

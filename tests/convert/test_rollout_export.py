@@ -260,7 +260,7 @@ def test_static_activation_scaling_calibrates_with_the_static_scale(tiny_hf, cal
 
 def test_calibration_prompts_from_jsonl(tiny_hf, tmp_path):
     from quads_megatron.convert.calibration import load_prompts
-    from quads_megatron.convert.errors import CheckpointError
+    from quads_megatron.errors import InputError
 
     tok = _char_tokenizer(tmp_path / "tok")
     data = tmp_path / "calib.jsonl"
@@ -274,5 +274,5 @@ def test_calibration_prompts_from_jsonl(tiny_hf, tmp_path):
     calib = json.loads((out / "config.json").read_text())["quantization_config"]["calibration"]
     assert calib == {"source": str(data), "num_samples": 2, "num_tokens": 20}
     data.write_text('{"text": "ok"}\n{"content": 3}\n')
-    with pytest.raises(CheckpointError, match=r"calib.jsonl:2: expected a 'text' or 'prompt' string field"):
+    with pytest.raises(InputError, match=r"calib.jsonl:2: expected a 'text' or 'prompt' string field"):
         load_prompts(data, tok, num_samples=8, seq_len=10)
