@@ -3,11 +3,18 @@
 Reads a QUADS checkpoint's `quantization_config` (or a plain ModelOpt NVFP4 one; schema in
 `quads_megatron.plan.rollout_schema`) and hands out `QuadsLinearMethod` / `QuadsMoEMethod`.
 Exclusion patterns follow ModelOpt's rules (it subclasses SGLang's `ModelOptQuantConfig`).
+
+`from_config` is where SGLang hands the checkpoint to the method: a bad field is a
+`CheckpointError` naming the file and field, and when SGLang passes the model's `hf_config`
+(the config.json path, which QUADS exports use) and the model directory holds
+`quads_manifest.json`, every file is verified against it once, before any layer is built.
+With metadata only in hf_quant_config.json SGLang passes no model path, so no manifest check.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -17,10 +24,17 @@ from sglang.srt.layers.quantization.modelopt_quant import ModelOptQuantConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
+from quads_megatron.integrity import MANIFEST, verify_manifest
 from quads_megatron.plan.rollout_schema import (QUANT_METHOD, RolloutQuantConfig, is_modelopt_nvfp4,
                                                 parse_quantization_config)
 
 logger = logging.getLogger(__name__)
+
+
+def _model_dir(hf_config) -> Optional[str]:
+    """The local checkpoint directory SGLang read `hf_config` from (None for a hub id or no config)."""
+    path = getattr(hf_config, "_name_or_path", None) or getattr(hf_config, "name_or_path", None)
+    return path if isinstance(path, str) and os.path.isdir(path) else None
 
 
 class QuadsConfig(ModelOptQuantConfig):
@@ -52,8 +66,15 @@ class QuadsConfig(ModelOptQuantConfig):
         """From config.json's `quantization_config` or hf_quant_config.json (SGLang adds keys)."""
         config = dict(config)
         packed = config.pop("packed_modules_mapping", None) or {}
-        config.pop("hf_config", None)
-        rollout = parse_quantization_config(config)
+        model_dir = _model_dir(config.pop("hf_config", None))
+        config.pop("requantization_method", None)
+        if model_dir is None:
+            origin = "hf_quant_config.json"
+        else:
+            origin = f"{os.path.join(model_dir, 'config.json')} quantization_config"
+        rollout = parse_quantization_config(config, origin=origin)
+        if model_dir is not None and verify_manifest(model_dir):
+            logger.info("quads: %s verified against %s", model_dir, MANIFEST)
         logger.info("quads: %s", rollout.to_dict())
         return cls(rollout, packed)
 

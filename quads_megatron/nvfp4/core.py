@@ -31,14 +31,15 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from quads_megatron.errors import ConfigError, InputError, NonFiniteError
+
 from .backend import resolve_backend
 from .format import (BLOCK_SIZE, E2M1_BOUNDS_GE, E2M1_BOUNDS_GT, E4M3_MAX, FLT_MAX, FP4_MAX,
                      GLOBAL_SCALE_NUMERATOR, e2m1_table)
-from .tensor import NVFP4Tensor
+from .tensor import NVFP4Tensor, check_block_shape
 
 BlockShape = Sequence[int]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BLOCK_SHAPES = ((1, BLOCK_SIZE), (BLOCK_SIZE, BLOCK_SIZE))
 
 
 # --- scales ------------------------------------------------------------------------------
@@ -84,28 +85,47 @@ def _block_scale_multiplier(s_enc: torch.Tensor) -> torch.Tensor:
 # --- validation --------------------------------------------------------------------------
 def _check_input(x: torch.Tensor, block_shape: BlockShape, per_row: bool, check_finite: bool,
                  name: str = "x") -> tuple:
+    """Type, shape and block checks of a quantize input (InputError / ConfigError), NaN/Inf (NonFiniteError)."""
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
+        raise InputError(f"{name}: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
     if x.numel() == 0:
-        raise ValueError(f"{name}: cannot quantize an empty tensor of shape {tuple(x.shape)}")
+        raise InputError(f"{name}: cannot quantize an empty tensor of shape {tuple(x.shape)}")
     if x.ndim < 1 or x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"{name}: the last dimension must be a multiple of {BLOCK_SIZE} "
+        raise InputError(f"{name}: the last dimension must be a multiple of {BLOCK_SIZE} "
                          f"(NVFP4 blocks), got shape {tuple(x.shape)}")
-    block_shape = tuple(int(b) for b in block_shape)
-    if block_shape not in _BLOCK_SHAPES:
-        raise ValueError(f"block_shape must be (1, 16) or (16, 16), got {block_shape}")
+    block_shape = check_block_shape(block_shape)
     if block_shape == (BLOCK_SIZE, BLOCK_SIZE):
         if per_row:
-            raise ValueError("per_row scaling needs 1x16 blocks, not 16x16")
+            raise ConfigError("per_row scaling needs 1x16 blocks, not 16x16")
         if x.ndim < 2 or x.shape[-2] % BLOCK_SIZE:
-            raise ValueError(f"{name}: 16x16 blocks need the second-to-last dimension to be a "
+            raise InputError(f"{name}: 16x16 blocks need the second-to-last dimension to be a "
                              f"multiple of 16, got shape {tuple(x.shape)}")
     if check_finite and not bool(torch.isfinite(x).all()):
-        bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
-        raise ValueError(f"{name}: contains {bad}; NVFP4 can only encode finite values")
+        nan = torch.isnan(x)
+        bad = nan if bool(nan.any()) else torch.isinf(x)
+        at = tuple(torch.nonzero(bad)[0].tolist())
+        raise NonFiniteError(f"{name}: contains {'NaN' if bad is nan else 'Inf'} ({int(bad.sum())} of "
+                             f"{x.numel()} elements, first at {at}); NVFP4 can only encode finite values")
     return block_shape
+
+
+def _poison_nonfinite(x: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """S_dec with NaN wherever the rows it scales hold NaN/Inf: no host sync, no silent finite garbage.
+
+    check_finite=False skips the (syncing) check; without this an Inf would quantize to
+    2688 * S_dec and zero the rest of its tensor. NaN makes the damage visible downstream.
+    """
+    bad = ~torch.isfinite(x)
+    if s_dec.ndim == 0:
+        return torch.where(bad.any(), torch.full_like(s_dec, float("nan")), s_dec)
+    bad = bad.any(dim=-1, keepdim=True)
+    padded = (1,) * (bad.ndim - s_dec.ndim) + tuple(s_dec.shape)
+    dims = tuple(i for i, (a, b) in enumerate(zip(padded, bad.shape)) if a == 1 and b != 1)
+    if dims:
+        bad = bad.any(dim=dims, keepdim=True)
+    return torch.where(bad.reshape(s_dec.shape), torch.full_like(s_dec, float("nan")), s_dec)
 
 
 def _resolve_amax(x: torch.Tensor, per_row: bool, amax, backend: str) -> torch.Tensor:
@@ -119,13 +139,13 @@ def _resolve_amax(x: torch.Tensor, per_row: bool, amax, backend: str) -> torch.T
         return _amax_torch(x, per_row)
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
-        raise ValueError(f"amax must be finite and >= 0, got {amax}")
+        raise InputError(f"amax must be finite and >= 0, got {amax}")
     try:
         ok = tuple(torch.broadcast_shapes(amax.shape, row_shape)) == row_shape
     except RuntimeError:
         ok = False
     if not ok:
-        raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the row "
+        raise InputError(f"amax of shape {tuple(amax.shape)} does not broadcast to the row "
                          f"shape {row_shape} of x")
     if per_row and amax.ndim == 0:
         amax = amax.expand(row_shape)
@@ -219,27 +239,35 @@ def _quantize(x: torch.Tensor, block_shape: tuple, per_row: bool, amax, backend:
 # --- public API --------------------------------------------------------------------------
 def quantize(x: torch.Tensor, *, block_shape: BlockShape = (1, BLOCK_SIZE), per_row: bool = False,
              amax: Optional[Union[torch.Tensor, float]] = None,
-             check_finite: bool = True, backend: Optional[str] = None) -> NVFP4Tensor:
+             check_finite: bool = True, backend: Optional[str] = None, name: str = "x") -> NVFP4Tensor:
     """Quantize `x` (last dim a multiple of 16) to NVFP4, bit-exact with TE's reference.
 
     per_row: one global scale per row (per-token activations); amax: use this amax
     (e.g. all-reduced across TP ranks, or shared by gate and up) instead of x's own.
-    check_finite=False skips the NaN/Inf check (a host sync) on hot paths.
+    check_finite=True (default): NaN/Inf in x is a NonFiniteError naming `name` (the tensor's
+    HF name where the caller has one). check_finite=False skips that host sync on hot paths;
+    a row (per_row) or tensor holding NaN/Inf then gets a NaN global scale, so it dequantizes
+    to NaN, never to finite garbage (results for finite inputs are bit-identical either way).
     backend: "triton" | "torch" | None (`resolve_backend`: QUADS_BACKEND, else by device).
     """
-    block_shape = _check_input(x, block_shape, per_row, check_finite)
-    name = _kernel_backend(x, block_shape, backend)
-    data, scale, _, s_dec = _quantize(x, block_shape, per_row, amax, name)
-    return NVFP4Tensor(data, scale, s_dec, x.shape, block_shape)
+    block_shape = _check_input(x, block_shape, per_row, check_finite, name)
+    kernel = _kernel_backend(x, block_shape, backend)
+    data, scale, _, s_dec = _quantize(x, block_shape, per_row, amax, kernel)
+    if not check_finite:
+        s_dec = _poison_nonfinite(x, s_dec)
+    return NVFP4Tensor._trusted(data, scale, s_dec, x.shape, block_shape)
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *,
                backend: Optional[str] = None) -> torch.Tensor:
     """Decode an `NVFP4Tensor` to `dtype` (x_hat = e2m1 * sf * S_dec in fp32, then cast).
 
+    The tensor's fields were checked when it was built; their structure is checked again here
+    (cheap, no sync) in case a field was replaced since.
     backend: "triton" | "torch" | None (`resolve_backend`)."""
     if not isinstance(q, NVFP4Tensor):
-        raise ValueError(f"dequantize expects an NVFP4Tensor, got {type(q).__name__}")
+        raise InputError(f"dequantize expects an NVFP4Tensor, got {type(q).__name__}")
+    q.validate(values=False)
     if _kernel_backend(q.data, q.block_shape, backend) == "triton":
         from . import triton_kernels
 
@@ -286,7 +314,7 @@ def shared_amax(tensors: Iterable[torch.Tensor], *, backend: Optional[str] = Non
 def quantize_with_shared_scale(tensors: Sequence[torch.Tensor], **opts) -> List[NVFP4Tensor]:
     """Quantize tensors that one fused kernel reads with one global scale (gate/up, q/k/v)."""
     if "amax" in opts or opts.get("per_row"):
-        raise ValueError("quantize_with_shared_scale computes the shared amax itself; "
+        raise ConfigError("quantize_with_shared_scale computes the shared amax itself; "
                          "per_row is not meaningful for a shared per-tensor scale")
     amax = shared_amax(tensors, backend=opts.get("backend"))
     return [quantize(t, amax=amax, **opts) for t in tensors]
