@@ -2,7 +2,7 @@
 
 import sys
 
-from quads_megatron.rl.loop import main
+from quads_megatron.rl.loop import run
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run(sys.argv[1:]))

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from pathlib import Path
 
 from quads_megatron import vocab
+from quads_megatron.errors import CheckpointError, ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are a ConfigError (one line through run_cli, exit 2), not a usage dump."""
+
+    def error(self, message):
+        raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of train_grpo_moe; defaults are the 2-CPU-core tiny run."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="train_grpo_moe",
         description="GRPO on a Qwen3-MoE with a Megatron-Core trainer (AQAT) and NVFP4 (QUADS) rollouts.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -120,13 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _held_checkpoint(save: str) -> str | None:
     """'iteration N' when ``save`` holds a Megatron-layout checkpoint (tracker or iter_* directories)."""
-    from pathlib import Path
-
-    from quads_megatron.megatron.checkpoint import TRACKER
+    from quads_megatron.megatron.checkpoint import TRACKER, read_tracker
 
     path = Path(save)
     if (path / TRACKER).is_file():
-        return f"iteration {(path / TRACKER).read_text().strip()}"
+        return f"iteration {read_tracker(path)}"
     iters = sorted(d.name for d in path.glob("iter_*") if d.is_dir() and not d.name.endswith((".tmp", ".old")))
     return f"{iters[-1]}, no {TRACKER}" if iters else None
 
@@ -139,51 +147,221 @@ def resolve_recipe(args):
     """The run's QuadsRecipe: --quads-recipe (or the default) with the precision flags applied."""
     from quads_megatron.recipe import QuadsRecipe
 
-    recipe = QuadsRecipe()
-    if args.quads_recipe:
+    recipe = QuadsRecipe.from_file(args.quads_recipe) if args.quads_recipe else QuadsRecipe()
+    try:
+        return recipe.replace(
+            train_precision=args.quads_train and vocab.parse_precision(args.quads_train, "--quads-train"),
+            rollout_precision=args.rollout_precision and vocab.parse_precision(args.rollout_precision,
+                                                                               "--rollout-precision"),
+            activation_scaling=args.activation_scaling, rac_channels=args.rac_channels,
+            scope=tuple(args.quads_scope) if args.quads_scope else None)
+    except ValueError as e:
+        raise ConfigError(f"precision flags: {e}") from None
+
+
+# (flag, lowest allowed, whether the lowest value itself is allowed); None values are skipped
+_LOWER_BOUNDS = [
+    ("train_iters", 1, True), ("rollout_batch_size", 1, True), ("n_samples_per_prompt", 2, True),
+    ("micro_batch_size", 1, True), ("seq_length", 1, True), ("max_new_tokens", 1, True),
+    ("log_interval", 1, True), ("eval_interval", 0, True), ("quant_error_interval", 0, True),
+    ("sft_iters", 0, True), ("sft_batch_size", 1, True), ("global_batch_size", 1, True),
+    ("num_layers", 1, True), ("hidden_size", 1, True), ("num_experts", 1, True), ("moe_router_topk", 1, True),
+    ("tensor_model_parallel_size", 1, True), ("expert_model_parallel_size", 1, True),
+    ("expert_tensor_parallel_size", 1, True), ("sglang_port", 1, True),
+    ("lr", 0.0, True), ("sft_lr", 0.0, True), ("adam_eps", 0.0, False), ("weight_decay", 0.0, True),
+    ("clip_grad", 0.0, True), ("temperature", 0.0, True), ("kl_coef", 0.0, True),
+    ("eps_clip", 0.0, False), ("eps_clip_high", 0.0, False), ("tis_cap", 0.0, False),
+    ("mis_low", 0.0, True), ("mis_high", 0.0, False),
+]
+# (flag, highest allowed, whether the highest value itself is allowed)
+_UPPER_BOUNDS = [("top_p", 1.0, True), ("adam_beta1", 1.0, False), ("adam_beta2", 1.0, False),
+                 ("eps_clip", 1.0, False)]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_ranges(args) -> None:
+    """Every numeric flag finite and inside its range; ConfigError naming the flag, the value and the range."""
+    for name, lo, inclusive in _LOWER_BOUNDS:
+        v = getattr(args, name)
+        if v is None:
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{_flag(name)} {v}: must be a finite number {'>=' if inclusive else '>'} {lo}")
+        if v < lo or (v == lo and not inclusive):
+            raise ConfigError(f"{_flag(name)} {v}: must be {'>=' if inclusive else '>'} {lo}"
+                              + (" (the GRPO group size: advantages compare samples of one prompt)"
+                                 if name == "n_samples_per_prompt" else ""))
+    for name, hi, inclusive in _UPPER_BOUNDS:
+        v = getattr(args, name)
+        if v is not None and (v > hi or (v == hi and not inclusive)):
+            raise ConfigError(f"{_flag(name)} {v}: must be {'<=' if inclusive else '<'} {hi}")
+    if args.top_p <= 0:
+        raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
+    for name in ("adam_beta1", "adam_beta2"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"{_flag(name)} {getattr(args, name)}: must be in [0, 1)")
+    if args.mis_low >= args.mis_high:
+        raise ConfigError(f"--mis-low {args.mis_low} / --mis-high {args.mis_high}: --mis-low must be below --mis-high")
+
+
+def check_engine_flags(args) -> None:
+    """SGLang flags only with the SGLang engine (a --sglang-url must never be silently ignored)."""
+    if args.sglang_launch:
+        args.rollout_engine = "sglang"
+    if args.rollout_engine != "sglang":
+        for name in ("sglang_url", "sglang_router_url", "sglang_sync_dir"):
+            if getattr(args, name):
+                raise ConfigError(f"{_flag(name)} {getattr(args, name)}: needs --rollout-engine sglang "
+                                  f"(this run uses --rollout-engine {args.rollout_engine})")
+    if args.rollout_engine == "sglang" and not args.sglang_url and not args.sglang_launch:
+        raise ConfigError("--rollout-engine sglang needs --sglang-url http://HOST:PORT (or --sglang-launch)")
+    if args.sglang_url:
+        from .engines.sglang_http import parse_urls
+
         try:
-            recipe = QuadsRecipe.from_json(open(args.quads_recipe).read())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--quads-recipe {args.quads_recipe}: {e}") from None
-    return recipe.replace(
-        train_precision=args.quads_train and vocab.parse_precision(args.quads_train, "--quads-train"),
-        rollout_precision=args.rollout_precision and vocab.parse_precision(args.rollout_precision,
-                                                                           "--rollout-precision"),
-        activation_scaling=args.activation_scaling, rac_channels=args.rac_channels,
-        scope=tuple(args.quads_scope) if args.quads_scope else None)
+            parse_urls(args.sglang_url)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Parse and cross-check flags; errors name the flag."""
-    p = build_parser()
-    args = p.parse_args(argv)
+def check_paths(args) -> None:
+    """--hf-checkpoint / --tokenizer / --eval-data name existing paths; --task is well-formed."""
+    if args.hf_checkpoint is not None:
+        path = Path(args.hf_checkpoint)
+        if not path.is_dir():
+            raise CheckpointError(f"--hf-checkpoint {path}: no such checkpoint directory")
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"--hf-checkpoint {path}: not a Hugging Face checkpoint (no config.json)")
+    if args.tokenizer is not None and not Path(args.tokenizer).exists():
+        raise ConfigError(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    from .tasks import check_task_spec
+
+    check_task_spec(args.task, args.eval_data)
+
+
+def model_dims(args):
+    """The model's ``qwen3_moe.Dims`` (from --hf-checkpoint's config.json, else the preset and the shape flags)."""
+    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.megatron.presets import PRESETS
+
+    if args.hf_checkpoint:
+        from quads_megatron.convert.hf_checkpoint import HFCheckpoint
+
+        return qwen3_moe.dims_from_hf_config(HFCheckpoint(args.hf_checkpoint).config), None
+    if args.preset not in PRESETS:
+        raise ConfigError(f"--preset {args.preset}: unknown; expected one of {sorted(PRESETS)}")
+    t = dict(PRESETS[args.preset]["transformer"])
+    for flag, field in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
+                        ("num_experts", "num_moe_experts"), ("moe_router_topk", "moe_router_topk")):
+        if getattr(args, flag) is not None:
+            t[field] = getattr(args, flag)
+    dims = qwen3_moe.Dims(vocab_size=PRESETS[args.preset]["model"]["vocab_size"], hidden_size=t["hidden_size"],
+                          num_layers=t["num_layers"], num_heads=t["num_attention_heads"],
+                          num_kv_heads=t["num_query_groups"], head_dim=t["kv_channels"],
+                          num_experts=t["num_moe_experts"], moe_ffn=t["moe_ffn_hidden_size"],
+                          tie_word_embeddings=False)
+    return dims, t["moe_router_topk"]
+
+
+def check_model(args) -> None:
+    """Shapes, top-k, parallel sizes and the recipe's plan (RAC channels, NVFP4 blocks) before any model is built.
+
+    The plan is resolved here exactly as the trainer and the rollout exporter resolve it
+    (``QuantPlan.resolve``), so a recipe one of them refuses is refused here, with the same message.
+    """
+    from quads_megatron.plan import QuantPlan
+
+    dims, topk = model_dims(args)
+    source = f"--hf-checkpoint {args.hf_checkpoint}" if args.hf_checkpoint else f"--preset {args.preset}"
+    if topk is not None and topk > dims.num_experts:
+        raise ConfigError(f"--moe-router-topk {topk}: must be <= the number of experts ({dims.num_experts}, "
+                          f"{'--num-experts' if args.num_experts else source})")
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    if dims.num_experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep}: must divide the {dims.num_experts} experts of {source}")
+    if dims.num_kv_heads % tp or dims.num_heads % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp}: must divide the {dims.num_heads} attention heads "
+                          f"and {dims.num_kv_heads} KV heads of {source}")
+    try:
+        QuantPlan.resolve(args.recipe, dims, tp=tp, etp=etp)
+    except ValueError as e:
+        raise ConfigError(f"{source} with this recipe: {e}") from None
+
+
+def check_checkpoint_flags(args, explicit_load: bool) -> None:
+    """--save / --load / --resume / --force: never start over silently in a directory holding a checkpoint,
+    never resume from a mistyped --load, never resume a checkpoint of another task."""
     if args.resume and not args.save:
-        p.error("--resume needs --save (the directory to resume from)")
-    if args.resume and args.load is None:
-        args.load = args.save
+        raise ConfigError("--resume needs --save (the directory to resume from)")
     if args.save_interval is not None and not args.save:
-        p.error("--save-interval needs --save")
+        raise ConfigError("--save-interval needs --save")
     if args.save_interval is not None and args.save_interval < 0:
-        p.error(f"--save-interval {args.save_interval}: must be >= 0 (0: save only at the end)")
+        raise ConfigError(f"--save-interval {args.save_interval}: must be >= 0 (0: save only at the end)")
     if args.force and not args.save:
-        p.error("--force needs --save")
+        raise ConfigError("--force needs --save")
+    if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
+        raise ConfigError(f"--save {args.save}: exists and is not a directory")
     held = _held_checkpoint(args.save) if args.save and not args.force else None
     if held is not None and (args.load is None or not _same_dir(args.load, args.save)):
         load = "" if args.load is None else f" (this run loads --load {args.load})"
-        p.exit(2, f"{p.prog}: error: --save {args.save} already holds a checkpoint ({held}) that this run would "
-                  f"not continue from{load}; pass --resume to continue it, a new --save directory, or --force "
-                  "to start over and replace it\n")
+        raise CheckpointError(f"--save {args.save} already holds a checkpoint ({held}) that this run would not "
+                              f"continue from{load}; pass --resume to continue it, a new --save directory, or "
+                              "--force to start over and replace it")
+    if explicit_load:
+        from quads_megatron.megatron.checkpoint import TRACKER
+
+        if not Path(args.load).is_dir():
+            raise CheckpointError(f"--load {args.load}: no such checkpoint directory")
+        if not (Path(args.load) / TRACKER).is_file():
+            raise CheckpointError(f"--load {args.load}: holds no checkpoint (no {TRACKER})")
+    if args.load and Path(args.load).is_dir():
+        check_resume_matches(args)
+
+
+# flags that must equal the checkpoint's when resuming: another value trains a different run
+RESUME_MUST_MATCH = ("task", "eval_data", "preset", "num_layers", "hidden_size", "num_experts", "moe_router_topk")
+
+
+def check_resume_matches(args) -> None:
+    """Refuse to resume a checkpoint saved by a run with another --task (or model shape); reads only common.pt."""
+    import json
+
+    from quads_megatron.megatron.checkpoint import latest_iteration, load_common_state
+
+    if latest_iteration(args.load) is None:
+        return
+    state = load_common_state(args.load).get("grpo_loop")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"--load {args.load}: not a GRPO checkpoint (no 'grpo_loop' state); "
+                              "use --hf-checkpoint for initial weights")
     try:
-        args.recipe = resolve_recipe(args)
-    except (OSError, ValueError) as e:
-        p.error(str(e))
-    if args.sglang_launch:
-        args.rollout_engine = "sglang"
-    if args.rollout_engine == "sglang" and not args.sglang_url and not args.sglang_launch:
-        p.error("--rollout-engine sglang needs --sglang-url http://HOST:PORT (or --sglang-launch)")
-    for flag in ("rollout_batch_size", "n_samples_per_prompt", "micro_batch_size", "seq_length", "max_new_tokens"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+        saved = json.loads(state.get("args") or "{}")
+    except (TypeError, json.JSONDecodeError):
+        raise CheckpointError(f"--load {args.load}: the GRPO state's 'args' is not JSON") from None
+    saved.setdefault("task", state.get("task"))
+    for name in RESUME_MUST_MATCH:
+        if name in saved and saved[name] != getattr(args, name):
+            raise ConfigError(f"{_flag(name)} {getattr(args, name)}: the checkpoint in {args.load} was trained "
+                              f"with {_flag(name)} {saved[name]}; resume with the same value or start a new --save")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and cross-check every flag before anything is built; a ConfigError/CheckpointError names the flag."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    explicit_load = args.load is not None
+    if args.resume and args.load is None:
+        args.load = args.save
+    check_ranges(args)
+    check_engine_flags(args)
+    check_paths(args)
+    check_checkpoint_flags(args, explicit_load)
+    args.recipe = resolve_recipe(args)
+    check_model(args)
     if args.sft_iters is None:
         args.sft_iters = 0 if args.hf_checkpoint else 60
     if args.exp_name is None:

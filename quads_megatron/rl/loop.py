@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from quads_megatron.errors import CheckpointError, ConfigError, InputError, NonFiniteError, run_cli
+
 from .advantages import grpo_advantages
 from .arguments import parse_args
 from .batch import build_sft_batch, build_train_batch, decode_response, encode_prompt
@@ -48,6 +50,32 @@ def _dp_mean(values: dict[str, float], group) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on any rank (so all ranks stop together, none hangs)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def check_finite(what: str, step: int, bad_here: bool) -> None:
+    """NonFiniteError naming ``what`` and the GRPO step when it is NaN/Inf on any rank (collective).
+
+    Raised before the step's optimizer update and save, so the last good checkpoint stays the latest.
+    """
+    if _any_rank(bad_here):
+        raise NonFiniteError(f"step {step}: {what} is NaN or Inf; stopping before the optimizer update and "
+                             "before saving, so the last checkpoint is the last good one")
+
+
+def _nonfinite(t: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether ``t`` (at the positions of ``mask``, when given) holds NaN or Inf."""
+    if mask is not None:
+        t = t[mask.bool()]
+    return not bool(torch.isfinite(t).all())
+
+
 def _set_threads():
     """Split the machine's cores between the local ranks (torchrun sets LOCAL_WORLD_SIZE)."""
     if torch.cuda.is_available():
@@ -69,17 +97,27 @@ class GRPOTrainer:
         # the tiny default's HF vocabulary: the char tokenizer rounded up to 128 rows
         vocab = int(math.ceil(len(self.tokenizer) / 128) * 128)
         self.task = build_task(args.task, seed=args.seed, eval_path=args.eval_data)
+        # validate every eval prompt now, before the model is built: a too-long prompt fails before any work
+        self.eval_samples = self.task.eval_set()
+        if not self.eval_samples:
+            raise InputError(f"task {args.task!r} has an empty eval set")
+        fixed = self.eval_samples + list(getattr(self.task, "samples", []))  # a JSONL task's training rows too
+        try:
+            check_prompt_lengths([encode_prompt(self.tokenizer, s.prompt) for s in fixed], args.max_new_tokens,
+                                 args.seq_length)
+        except ValueError as e:
+            raise InputError(f"--task {args.task}: {e}") from None
         self.policy = MegatronPolicy(args, vocab)
         self.dp_rank, self.dp_size = self.policy.dp_rank_size()
         if args.rollout_batch_size % self.dp_size:
-            raise ValueError(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by the "
+            raise ConfigError(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by the "
                              f"data-parallel size {self.dp_size}")
         self.prompts_per_rank = args.rollout_batch_size // self.dp_size
         G = args.n_samples_per_prompt
         total = args.rollout_batch_size * G
         gbs = args.global_batch_size or total
         if total % gbs or gbs % self.dp_size:
-            raise ValueError(f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt "
+            raise ConfigError(f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt "
                              f"({total}) and be divisible by the data-parallel size {self.dp_size}")
         self.steps_per_rollout = total // gbs
         self.local_batch = gbs // self.dp_size
@@ -91,13 +129,6 @@ class GRPOTrainer:
         self.sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                        max_new_tokens=args.max_new_tokens, stop_token_ids=[self.eos])
         self.greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=[self.eos])
-        # validate every eval prompt now: a too-long prompt fails before any training, not mid-run
-        self.eval_samples = self.task.eval_set()
-        if not self.eval_samples:
-            raise ValueError(f"task {args.task!r} has an empty eval set")
-        fixed = self.eval_samples + list(getattr(self.task, "samples", []))  # a JSONL task's training rows too
-        check_prompt_lengths([encode_prompt(self.tokenizer, s.prompt) for s in fixed], args.max_new_tokens,
-                             args.seq_length)
         self._server = None  # the SGLang server process started by --sglang-launch
         self.engine = self._build_engine()
         self.logger = StepLogger(args.tensorboard_dir, enabled=_rank0())
@@ -162,12 +193,15 @@ class GRPOTrainer:
         refs = [s for s in samples for _ in range(G)]
         rewards = torch.tensor([self.task.reward(decode_response(self.tokenizer, r.response_ids), s)
                                 for r, s in zip(rollouts, refs)], dtype=torch.float32)
-        if not torch.isfinite(rewards).all():
-            raise FloatingPointError("non-finite reward from the verifier")
+        check_finite("the verifier's reward", step + 1, _nonfinite(rewards))
         return samples, rollouts, rewards
 
-    def train_on(self, batch):
-        """One or more optimizer steps on this rank's batch; return training stats and per-token gaps."""
+    def train_on(self, batch, step: int = 0):
+        """One or more optimizer steps on this rank's batch; return training stats and per-token gaps.
+
+        Before each optimizer update, a NaN/Inf trainer log-prob or loss on any rank stops the job
+        (NonFiniteError), and so does a non-finite gradient norm after it (the update is skipped).
+        """
         mbs = self.args.micro_batch_size
         batch = batch.to(self.policy.device)
         stats = {"loss": 0.0, "pg_clipfrac": 0.0, "tis_weight_mean": 0.0, "tis_clipfrac": 0.0, "mis_maskfrac": 0.0,
@@ -178,17 +212,26 @@ class GRPOTrainer:
             with torch.no_grad():
                 old_lp = torch.cat([self.policy.token_logprobs(batch.tokens[i:i + mbs])[0]
                                     for i in range(0, len(batch), mbs)])
+        if old_lp is not None:
+            check_finite("the trainer log-prob", step, _nonfinite(old_lp, batch.mask))
         gaps, n_mb = [], 0
         for s in range(self.steps_per_rollout):
+            bad = None  # the first non-finite quantity of this rank in this optimizer step
             sub_lo, sub_hi = s * self.local_batch, (s + 1) * self.local_batch
             sub = batch.slice(sub_lo, sub_hi)
             denom = sub.mask.sum().clamp_min(1.0)
             for i in range(0, len(sub), mbs):
                 mb = sub.slice(i, i + mbs)
                 lp, ent = self.policy.token_logprobs(mb.tokens, with_entropy=True)
+                if bad is None and _nonfinite(lp.detach(), mb.mask):
+                    bad = "the trainer log-prob"
                 olp = lp.detach() if old_lp is None else old_lp[sub_lo + i: sub_lo + i + len(mb)]
                 loss, st = policy_loss(lp, olp, mb.rollout_logp, mb.advantages, mb.mask, self.loss_cfg,
                                        token_denom=denom)
+                if bad is None and _nonfinite(loss.detach()):
+                    bad = "the GRPO loss"
+                if bad is not None:  # no backward of NaN: the step is abandoned below
+                    continue
                 loss.backward()
                 w = float(mb.mask.sum() / denom) / self.steps_per_rollout
                 stats["loss"] += loss.item() / self.steps_per_rollout
@@ -201,7 +244,11 @@ class GRPOTrainer:
                         stats[k] += float(v) * float(mb.mask.sum() / denom)
                     gaps.append((olp - mb.rollout_logp)[mb.mask.bool()])
                 n_mb += 1
-            stats["grad_norm"] += self.policy.optimizer_step() / self.steps_per_rollout
+            for what in ("the trainer log-prob", "the GRPO loss"):
+                check_finite(what, step, bad == what)
+            norm = self.policy.optimizer_step()
+            check_finite(f"the gradient norm ({norm})", step, not math.isfinite(norm))
+            stats["grad_norm"] += norm / self.steps_per_rollout
         return stats, torch.cat(gaps).cpu() if gaps else torch.zeros(0)
 
     @torch.no_grad()
@@ -277,9 +324,9 @@ class GRPOTrainer:
             t1 = time.perf_counter()
             adv = grpo_advantages(rewards, a.n_samples_per_prompt, normalize_std=not a.disable_grpo_std_normalization)
             batch = build_train_batch(rollouts, adv, self.pad)
-            if not torch.isfinite(batch.rollout_logp).all():
-                raise FloatingPointError(f"step {step + 1}: non-finite rollout log-probs from the engine")
-            stats, gaps = self.train_on(batch)
+            check_finite("the rollout log-prob (from the rollout engine)", step + 1,
+                         _nonfinite(batch.rollout_logp, batch.mask))
+            stats, gaps = self.train_on(batch, step + 1)
             t2 = time.perf_counter()
             it = step + 1
             report_quant = bool(a.quant_error_interval) and (it % a.quant_error_interval == 0 or it == 1)
@@ -345,7 +392,7 @@ class GRPOTrainer:
             self._write_hf_dir(Path(a.save))
         # plain data only: dist_checkpointing reads the common state back with torch.load(weights_only=True)
         args = json.dumps(vars(a), sort_keys=True, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else str(o))
-        common = {self.LOOP_STATE_KEY: {"iteration": iteration, "history": self.history, "args": args}}
+        common = {self.LOOP_STATE_KEY: {"iteration": iteration, "history": self.history, "args": args, "task": a.task}}
         self.policy.save_checkpoint(a.save, iteration, common=common, rank_state={"rng": get_rng_state()},
                                     replace=first and bool(getattr(a, "force", False)))
 
@@ -369,7 +416,7 @@ class GRPOTrainer:
             return None
         loop_state = state["common"].get(self.LOOP_STATE_KEY)
         if loop_state is None:
-            raise ValueError(f"--load {a.load}: {state['dir']} is not a GRPO checkpoint (no "
+            raise CheckpointError(f"--load {a.load}: {state['dir']} is not a GRPO checkpoint (no "
                              f"'{self.LOOP_STATE_KEY}' state); use --hf-checkpoint for initial weights")
         self.history = loop_state["history"]
         rng = (state["rank_state"] or {}).get("rng")
@@ -416,8 +463,33 @@ class GRPOTrainer:
             self._server.wait(timeout=60)
 
 
+PROG = "train_grpo_moe"
+
+
+def die_with_parent() -> None:
+    """A torchrun worker (LOCAL_RANK set by the launcher) gets SIGTERM when its launcher dies, so killing
+    the launcher's process group (the workers run in their own sessions) leaves no trainer writing to --save."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(argv=None) -> int:
+    """The command line: ``main`` through ``run_cli`` (a user error: one line, exit 2; a signal: one line, 128+N)."""
+    die_with_parent()
+    return run_cli(main, argv, prog=PROG)
+
+
 def main(argv=None) -> dict:
-    """Entry point of examples/train_grpo_moe.sh and `python -m quads_megatron.rl`."""
+    """The GRPO job (returns its summary; ``run`` is the command-line wrapper of it)."""
     args = parse_args(argv)
     t0 = time.perf_counter()
     trainer = GRPOTrainer(args)

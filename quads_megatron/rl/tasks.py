@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from quads_megatron.errors import ConfigError, InputError
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -80,7 +82,7 @@ class ArithmeticTask(_SyntheticTask):
 
     def __init__(self, seed: int = 0, digits: int = 2, eval_size: int = 64):
         if digits < 1:
-            raise ValueError(f"arithmetic task: digits must be >= 1, got {digits}")
+            raise ConfigError(f"arithmetic task: digits must be >= 1, got {digits}")
         self.digits = digits
         super().__init__(seed, eval_size)
 
@@ -97,7 +99,7 @@ class SortTask(_SyntheticTask):
 
     def __init__(self, seed: int = 0, length: int = 4, eval_size: int = 64):
         if length < 2:
-            raise ValueError(f"sort task: length must be >= 2, got {length}")
+            raise ConfigError(f"sort task: length must be >= 2, got {length}")
         self.length = length
         super().__init__(seed, eval_size)
 
@@ -175,36 +177,67 @@ class JsonlTask(Task):
 
 
 def load_jsonl(path: Path) -> list[Sample]:
-    """Read {"prompt", "answer"} rows; raise ValueError naming the file and line on bad input."""
+    """Read {"prompt", "answer"} rows; InputError naming the file, the line and the field on bad input."""
     if not path.is_file():
-        raise FileNotFoundError(f"JSONL dataset {path} does not exist")
+        raise InputError(f"JSONL dataset {path}: does not exist or is not a file")
+    try:
+        with path.open(encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"JSONL dataset {path}: unreadable ({e})") from None
     samples = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
-            missing = [k for k in ("prompt", "answer") if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing field(s) {missing}; each row needs 'prompt' and 'answer'")
-            samples.append(Sample(str(row["prompt"]), str(row["answer"])))
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
+        missing = [k for k in ("prompt", "answer") if k not in row]
+        if missing:
+            raise InputError(f"{path}:{lineno}: missing field(s) {missing}; each row needs 'prompt' and 'answer'")
+        for k in ("prompt", "answer"):
+            if not isinstance(row[k], (str, int, float)) or isinstance(row[k], bool) or not str(row[k]).strip():
+                raise InputError(f"{path}:{lineno}: field {k!r} must be a non-empty string, got {row[k]!r}")
+        samples.append(Sample(str(row["prompt"]), str(row["answer"])))
     if not samples:
-        raise ValueError(f"JSONL dataset {path} is empty: expected at least one {{'prompt', 'answer'}} row")
+        raise InputError(f"JSONL dataset {path} is empty: expected at least one {{'prompt', 'answer'}} row")
     return samples
+
+
+def _synthetic_arg(spec: str, name: str, arg: str, default: int) -> int:
+    """The integer after 'name:' in a --task spec (its default when absent)."""
+    if not arg:
+        return default
+    if not arg.isdigit():
+        raise ConfigError(f"--task {spec!r}: expected '{name}[:N]' with an integer N, got {arg!r}")
+    return int(arg)
+
+
+def check_task_spec(spec: str, eval_path: str | None = None) -> None:
+    """Validate a --task / --eval-data pair without building the task (cheap: for parse_args)."""
+    name, _, arg = spec.partition(":")
+    if name in ("arithmetic", "sort"):
+        _synthetic_arg(spec, name, arg, 0)
+        if eval_path is not None:
+            raise ConfigError(f"--eval-data {eval_path}: only JSONL tasks read an eval file; --task {spec} "
+                              "draws its own held-out set")
+        return
+    if not (spec.endswith(".jsonl") or Path(spec).exists()):
+        raise ConfigError(f"--task {spec!r}: expected 'arithmetic[:digits]', 'sort[:length]' or a path to a .jsonl file")
+    for flag, path in (("--task", spec), ("--eval-data", eval_path)):
+        if path is not None and not Path(path).is_file():
+            raise InputError(f"{flag} {path}: JSONL dataset does not exist or is not a file")
 
 
 def build_task(spec: str, seed: int = 0, eval_path: str | None = None) -> Task:
     """Build a task from a flag value: 'arithmetic[:digits]', 'sort[:length]' or a path to a .jsonl file."""
+    check_task_spec(spec, eval_path)
     name, _, arg = spec.partition(":")
     if name == "arithmetic":
-        return ArithmeticTask(seed=seed, digits=int(arg) if arg else 2)
+        return ArithmeticTask(seed=seed, digits=_synthetic_arg(spec, name, arg, 2))
     if name == "sort":
-        return SortTask(seed=seed, length=int(arg) if arg else 4)
-    if spec.endswith(".jsonl") or Path(spec).exists():
-        return JsonlTask(spec, eval_path=eval_path, seed=seed)
-    raise ValueError(f"--task {spec!r}: expected 'arithmetic[:digits]', 'sort[:length]' or a path to a .jsonl file")
+        return SortTask(seed=seed, length=_synthetic_arg(spec, name, arg, 4))
+    return JsonlTask(spec, eval_path=eval_path, seed=seed)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from quads_megatron.errors import InputError
 from quads_megatron.rl.tasks import ArithmeticTask, JsonlTask, SortTask, answers_match, build_task
 from quads_megatron.rl.tokenizer import build_char_tokenizer
 
@@ -53,7 +54,7 @@ def test_jsonl_errors(tmp_path):
         JsonlTask(_write(tmp_path / "e.jsonl", []))
     with pytest.raises(ValueError, match="e2.jsonl:1: not valid JSON"):
         JsonlTask(_write(tmp_path / "e2.jsonl", ["{nope"]))
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(InputError, match="missing.jsonl"):
         JsonlTask(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="--task 'nonsense'"):
         build_task("nonsense")
