@@ -1,0 +1,57 @@
+"""Time one MoE experts module (the rollout engine's, any precision) on random routing; CUDA-graph replay on a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, device, seed: int = 0):
+    """(top_k_index [T, k] int64, top_k_weights [T, k] fp32): random logits, top-k, renormalised softmax."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(tokens, num_experts, generator=g)
+    w, idx = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return idx.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+@torch.no_grad()
+def time_experts(module, tokens: int, hidden: int, num_experts: int, top_k: int, dtype, device,
+                 repeats: int = 50, seed: int = 0) -> dict:
+    """Median ms of ``module(x, top_k_index, top_k_weights)``; on CUDA captured once in a graph and replayed."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    idx, w = random_routing(tokens, num_experts, top_k, device, seed)
+    if device.type != "cuda":
+        module(x, idx, w)
+        times = []
+        for _ in range(max(3, repeats // 10)):
+            t0 = time.perf_counter()
+            module(x, idx, w)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"ms": sorted(times)[len(times) // 2], "cuda_graph": False}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            module(x, idx, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph, run = torch.cuda.CUDAGraph(), None
+    try:
+        with torch.cuda.graph(graph):
+            module(x, idx, w)
+        run = graph.replay
+    except RuntimeError:  # a module with host syncs (the eager HF experts loop) cannot be captured
+        torch.cuda.synchronize()
+        graph, run = None, (lambda: module(x, idx, w))
+    for _ in range(5):
+        run()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return {"ms": sorted(times)[len(times) // 2], "cuda_graph": graph is not None}
