@@ -559,6 +559,9 @@ def load_iteration(model, load_dir, optimizer=None, *, metadata=None):
     it = latest_iteration(load_dir) if Path(load_dir).is_dir() else None
     if it is None:
         return None
+    if not iteration_dir(load_dir, it).is_dir():
+        raise CheckpointError(f"{Path(load_dir) / TRACKER} names iteration {it}, but {iteration_dir(load_dir, it)} "
+                              "is missing")
     out = _read(model, iteration_dir(load_dir, it), optimizer, metadata)
     out["iteration"] = it
     return out

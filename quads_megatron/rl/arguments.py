@@ -250,7 +250,9 @@ def model_dims(args):
     if args.hf_checkpoint:
         from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 
-        return qwen3_moe.dims_from_hf_config(HFCheckpoint(args.hf_checkpoint).config), None
+        ckpt = HFCheckpoint(args.hf_checkpoint)
+        source = str(ckpt.path / "config.json")
+        return qwen3_moe.dims_from_hf_config(ckpt.config, source), qwen3_moe.hf_top_k(ckpt.config, source)
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset {args.preset}: unknown; expected one of {sorted(PRESETS)}")
     t = dict(PRESETS[args.preset]["transformer"])
