@@ -13,6 +13,7 @@ before any model is built; the weights are then read through ``quads_megatron.me
 
 import contextlib
 import json
+import multiprocessing
 import os
 import pickle
 import queue
@@ -85,6 +86,8 @@ def no_orphan_writers():
     Megatron's torch_dist writer collects results through a spawn-context ``Manager().Queue()``: a
     server process that outlives a killed parent and keeps its stdout/stderr open (a ``| tee`` then
     hangs).  A synchronous save runs the collector in this process, so a thread queue does the job.
+    The forked writers get PR_SET_PDEATHSIG (SIGKILL of this process kills them) and are killed when
+    the block ends with an exception (a signal), so no writer outlives the run.
     """
     if not _FORK_HOOK and hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_child_after_fork)
@@ -95,9 +98,16 @@ def no_orphan_writers():
     previous = getattr(fsa, "_results_queue", None)
     if patch:
         fsa._results_queue = queue.Queue()
+    before = set(multiprocessing.active_children())
     _IN_SAVE.append(True)
     try:
         yield
+    except BaseException:
+        # a signal or error while shard writers run: stop them now (interpreter exit would wait for them)
+        for child in set(multiprocessing.active_children()) - before:
+            child.kill()
+            child.join(timeout=5)
+        raise
     finally:
         _IN_SAVE.clear()
         if patch:

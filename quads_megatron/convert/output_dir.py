@@ -43,9 +43,14 @@ def check_not_inside_inputs(path, inputs) -> None:
 
 def check_output_path(path, *, force: bool = False, inputs=()) -> Path:
     """Refuse, before any work starts, an output that exists (unless ``force``), overlaps an input
-    (``inputs``: ``(flag, path)`` pairs; even with ``force``), or cannot be created; return it as a Path."""
+    (``inputs``: ``(flag, path)`` pairs; even with ``force``), or cannot be created; return it as a Path.
+    Temporary siblings of dead runs are cleaned up first (``remove_stale_temp_dirs``)."""
     path = Path(path)
     check_not_inside_inputs(path, inputs)
+    try:
+        remove_stale_temp_dirs(path)     # first: a dead run's replaced checkpoint goes back before the checks
+    except OSError as e:
+        raise CheckpointError(f"output {path}: cannot clean up a dead run's temporary directory ({e})") from None
     if path.exists() and not force:
         raise CheckpointError(f"output {path} already exists; pass --force to replace it")
     if path.exists() and not path.is_dir():
