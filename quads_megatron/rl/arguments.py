@@ -213,8 +213,10 @@ def check_engine_flags(args) -> None:
         args.rollout_engine = "sglang"
     if args.rollout_engine != "sglang":
         for name in ("sglang_url", "sglang_router_url", "sglang_sync_dir"):
-            if getattr(args, name):
-                raise ConfigError(f"{_flag(name)} {getattr(args, name)}: needs --rollout-engine sglang "
+            value = getattr(args, name)
+            if value:
+                value = ",".join(value) if isinstance(value, list) else value
+                raise ConfigError(f"{_flag(name)} {value}: needs --rollout-engine sglang "
                                   f"(this run uses --rollout-engine {args.rollout_engine})")
     if args.rollout_engine == "sglang" and not args.sglang_url and not args.sglang_launch:
         raise ConfigError("--rollout-engine sglang needs --sglang-url http://HOST:PORT (or --sglang-launch)")
