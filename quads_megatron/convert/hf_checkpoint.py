@@ -213,7 +213,10 @@ class ShardedSafetensorsWriter:
 
     def _flush(self) -> None:
         tmp_name = f"shard-{len(self._shards):05d}.tmp"
-        save_file(self._buffer, str(self.out_dir / tmp_name), metadata=self.metadata)
+        try:
+            save_file(self._buffer, str(self.out_dir / tmp_name), metadata=self.metadata)
+        except SafetensorError as e:   # I/O errors (full disk) arrive as SafetensorError, not OSError
+            raise CheckpointError(f"{self.out_dir / tmp_name}: write failed ({e})") from None
         self._shards.append((tmp_name, sorted(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 
