@@ -14,6 +14,7 @@ import sys
 import torch
 
 from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear
+from quads_megatron.errors import ConfigError
 
 TP = 2
 
@@ -109,7 +110,7 @@ def check_row(rank: int, x: torch.Tensor) -> None:
         RowParallelLinear(64, 32, bias=False, params_dtype=torch.bfloat16,
                           quant_config=config("w4a4_rac"), prefix="o_proj")
         raise AssertionError("RAC on a TP-sharded row-parallel layer should be refused")
-    except NotImplementedError as e:
+    except ConfigError as e:
         assert "row-parallel" in str(e), e
     layer = RowParallelLinear(64, 32, bias=False, params_dtype=torch.bfloat16,
                               quant_config=config("w4a4"), prefix="o_proj")
@@ -139,7 +140,7 @@ def check_moe(rank: int, x: torch.Tensor) -> None:
         FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=2,
                  params_dtype=torch.bfloat16, quant_config=config("w4a4_rac"), prefix="experts")
         raise AssertionError("RAC with expert tensor parallelism should be refused")
-    except NotImplementedError as err:
+    except ConfigError as err:
         assert "--ep-size" in str(err), err
     layer = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=2,
                      params_dtype=torch.bfloat16, quant_config=config("w4a4"), prefix="experts")
