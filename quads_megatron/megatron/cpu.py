@@ -135,7 +135,7 @@ def _patch_torch_norm():
         if norm_cls is None:
             raise ValueError(f"CPU norm fallback supports LayerNorm/RMSNorm, "
                              f"not {config.normalization!r}")
-        module = norm_cls(normalized_shape=hidden_size, eps=eps)
+        module = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         for param in module.parameters():
             param.sequence_parallel = config.sequence_parallel
         return module

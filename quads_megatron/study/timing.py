@@ -15,10 +15,17 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device, seed: int 
     return idx.to(device), (w / w.sum(-1, keepdim=True)).to(device)
 
 
+def capturable(module) -> bool:
+    """Our NVFP4 experts run without host syncs; HF's eager experts loop (BF16, w16a4) syncs per expert."""
+    from quads_megatron.rl.engines.precision import NVFP4Experts
+
+    return isinstance(module, NVFP4Experts)
+
+
 @torch.no_grad()
 def time_experts(module, tokens: int, hidden: int, num_experts: int, top_k: int, dtype, device,
                  repeats: int = 50, seed: int = 0) -> dict:
-    """Median ms of ``module(x, top_k_index, top_k_weights)``; on CUDA captured once in a graph and replayed."""
+    """Median ms of ``module(x, top_k_index, top_k_weights)``; on CUDA replayed from a graph when ``capturable``."""
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
     idx, w = random_routing(tokens, num_experts, top_k, device, seed)
@@ -36,14 +43,12 @@ def time_experts(module, tokens: int, hidden: int, num_experts: int, top_k: int,
         for _ in range(3):
             module(x, idx, w)
     torch.cuda.current_stream().wait_stream(stream)
-    graph, run = torch.cuda.CUDAGraph(), None
-    try:
+    graph, run = None, (lambda: module(x, idx, w))
+    if capturable(module):
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             module(x, idx, w)
         run = graph.replay
-    except RuntimeError:  # a module with host syncs (the eager HF experts loop) cannot be captured
-        torch.cuda.synchronize()
-        graph, run = None, (lambda: module(x, idx, w))
     for _ in range(5):
         run()
     times = []

@@ -302,10 +302,11 @@ def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
                 m.w13_input_scale, m.w2_input_scale = (nvfp4.global_decode_scale(a).to(dev).reshape(())
                                                        for a in m._amax)
             if m.precision.uses_rac:
+                dev = m.w13.device  # the statistics live on the CPU; the kernels want the indices beside x
                 m.w13_comp_index = calibrate_comp_channels(
-                    s13, weight_column_norm_sq(m.dequantized("w13"), per_expert=False), k)
+                    s13, weight_column_norm_sq(m.dequantized("w13"), per_expert=False), k).to(dev)
                 m.w2_comp_index = calibrate_comp_channels(
-                    s2, weight_column_norm_sq(m.dequantized("w2"), per_expert=True), k)
+                    s2, weight_column_norm_sq(m.dequantized("w2"), per_expert=True), k).to(dev)
             x = torch.cat(m._x) if m._x else None
             if x is not None and x.numel():
                 xq, _ = compensated_activation(x, None)
@@ -324,7 +325,7 @@ def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
                 parts = [active.get(n[: -len("q_proj")] + p) for p in ("q_proj", "k_proj", "v_proj")] \
                     if n.endswith("q_proj") else [m]
                 w = torch.cat([p.dequantized() for p in parts if p is not None])
-                m.comp_index = calibrate_comp_channels(st, weight_column_norm_sq(w), k)
+                m.comp_index = calibrate_comp_channels(st, weight_column_norm_sq(w), k).to(m.weight.device)
     _share_qkv_channels(active, plan)
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/results.md and docs/benchmarks.md, in stages, on a machine with one CUDA GPU.
+#   bash tools/gpu_session.sh check pretrain ablations   # GPU tests; pretrain moe-240m; the paper tools
+#   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
+# Needs megatron-core (and transformers >= 5.19) importable; OUT (default runs/gpu) receives logs, JSON, PNG.
+# Sizes are env-overridable for a quick probe: PRETRAIN_ITERS, RL_ITERS, NUM_PROMPTS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+CKPT=runs/moe-240m-hf
+PRETRAIN_ITERS=${PRETRAIN_ITERS:-250}
+RL_ITERS=${RL_ITERS:-50}
+NUM_PROMPTS=${NUM_PROMPTS:-64}
+RL_FLAGS=(--sft-iters 60 --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 16 --n-samples-per-prompt 8
+          --eval-interval 10 --lr 2e-5)
+stage() { echo "=== $1 $(date +%T)"; }
+for s in "$@"; do
+  case $s in
+    check-rl)
+      stage check-rl
+      $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gpu_rl_tests.log" ;;
+    check)
+      stage check
+      $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py tests/megatron tests/convert/test_gpu_export.py \
+          tests/nvfp4 tests/sglang_ext/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    pretrain)
+      stage pretrain
+      if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
+      $PY -m quads_megatron.megatron.pretrain --preset moe-240m --train-iters "$PRETRAIN_ITERS" --micro-batch-size 64 \
+          --seq-length 256 --save "$CKPT" --force --no-tqdm 2>&1 | grep -v -i warn | tee "$OUT/pretrain.log" | tail -3 ;;
+    ablations)
+      stage activation_error
+      $PY tools/paper_activation_error.py --hf-checkpoint "$CKPT" --num-prompts "$NUM_PROMPTS" --seq-length 64 \
+          --max-new-tokens 24 --out-json "$OUT/activation_error.json" --out-png "$OUT/activation_error.png" \
+          2>&1 | grep -v -i warn | tail -12
+      stage rac_sweep
+      $PY tools/paper_rac_sweep.py --hf-checkpoint "$CKPT" --num-prompts "$NUM_PROMPTS" --seq-length 64 \
+          --max-new-tokens 24 --out-json "$OUT/rac_sweep.json" --out-png "$OUT/rac_sweep.png" 2>&1 | grep -v -i warn | tail -13
+      stage throughput
+      $PY tools/paper_throughput.py --hf-checkpoint "$CKPT" --batch-size 64 --seq-length 192 --max-new-tokens 128 \
+          --out-json "$OUT/throughput.json" --out-png "$OUT/throughput.png" 2>&1 | grep -v -i warn | tail -6 ;;
+    rl)
+      stage rl_stability
+      $PY tools/paper_rl_stability.py --hf-checkpoint "$CKPT" --seq-length 48 --max-new-tokens 16 \
+          --out-json "$OUT/rl_stability.json" --out-png "$OUT/rl_stability.png" -- --train-iters "$RL_ITERS" \
+          "${RL_FLAGS[@]}" 2>&1 | grep -E "summary|wrote|Error|error" | tail -8 ;;
+    *) echo "unknown stage $s (check, pretrain, ablations, rl)"; exit 2 ;;
+  esac
+done
+stage done
