@@ -22,7 +22,8 @@ LABEL = {"bf16": "BF16", "w4a16": "W4A16", "w16a4": "W16A4", "w4a4": "W4A4", "w4
 def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
     from quads_megatron.study import cli, plots
-    from quads_megatron.study.mismatch import build_setup, layer_output_errors, make_engine, release, rollout_gap
+    from quads_megatron.study.mismatch import (build_setup, layer_output_errors, make_engine, release, rollout_gap,
+                                               rollout_recipe)
 
     p = cli.common_parser(__doc__.splitlines()[0], "activation_error")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
@@ -37,13 +38,13 @@ def main(argv=None) -> dict:
             calib = setup.prompts(16, seed=-1)
             sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
                                       stop_token_ids=[setup.trainer.eos])
-            ref = make_engine(setup, setup.policy.recipe.replace(rollout_precision="bf16"), calib)
+            ref = make_engine(setup, rollout_recipe(setup, "bf16", args.rac_channels), calib)
             for prec in precisions:
-                eng = ref if prec == "bf16" else make_engine(
-                    setup, setup.policy.recipe.replace(rollout_precision=prec), calib)
+                eng = ref if prec == "bf16" else make_engine(setup, rollout_recipe(setup, prec, args.rac_channels), calib)
                 stats, _ = rollout_gap(setup, eng, prompts, sampling, seed=args.seed)
                 errs = layer_output_errors(ref, eng, setup.prompts(16, seed=7))
-                results.append({"trainer": train, "rollout": prec, **stats, "layer_rel_err": errs})
+                results.append({"trainer": train, "rollout": prec, "rac_channels": eng.plan.rac_channels, **stats,
+                                "layer_rel_err": errs})
                 print(f"trainer {train:6s} rollout {prec:9s} mean|dlogp| {stats['mean_abs']:.5f} "
                       f"k3 {stats['k3_kl']:.2e} layer err {sum(errs) / len(errs):.4f}", flush=True)
                 if eng is not ref:

@@ -24,7 +24,7 @@ PRECISIONS = ["bf16", "w4a16", "w4a4", "w4a4_rac"]
 def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
     from quads_megatron.study import cli, plots
-    from quads_megatron.study.mismatch import build_setup, make_engine, release
+    from quads_megatron.study.mismatch import build_setup, make_engine, release, rollout_recipe
     from quads_megatron.study.timing import time_experts
 
     p = cli.common_parser(__doc__.splitlines()[0], "throughput")
@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
         calib = setup.prompts(16, seed=-1)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=[])
         for prec in precisions:
-            eng = make_engine(setup, setup.policy.recipe.replace(rollout_precision=prec), calib)
+            eng = make_engine(setup, rollout_recipe(setup, prec, args.rac_channels), calib)
             eng.generate(prompts, sampling, seed=0)  # warm-up: kernels compiled, graphs captured
             times = []
             for r in range(args.repeats):
@@ -59,9 +59,10 @@ def main(argv=None) -> dict:
             top_k = eng.model.config.num_experts_per_tok
             dec = time_experts(experts, args.batch_size, d.hidden_size, d.num_experts, top_k, eng.dtype, eng.device)
             pre = time_experts(experts, args.prefill_tokens, d.hidden_size, d.num_experts, top_k, eng.dtype, eng.device)
-            row = {"precision": prec, "decode_tokens_per_s": n_tok / sec, "generate_s": sec, "tokens": n_tok,
+            row = {"precision": prec, "rac_channels": eng.plan.rac_channels, "decode_tokens_per_s": n_tok / sec,
+                   "generate_s": sec, "tokens": n_tok,
                    "moe_layer_ms_decode": dec["ms"], "moe_layer_ms_prefill": pre["ms"],
-                   "moe_layer_cuda_graph": dec["cuda_graph"], "decode_cuda_graph": getattr(eng, "uses_cuda_graph", False)}
+                   "moe_layer_cuda_graph": dec["cuda_graph"]}
             results.append(row)
             print(f"{prec:9s} decode {row['decode_tokens_per_s']:9.1f} tok/s  MoE layer {dec['ms']:.3f} ms "
                   f"({args.batch_size} tok) {pre['ms']:.3f} ms ({args.prefill_tokens} tok)", flush=True)

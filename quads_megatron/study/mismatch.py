@@ -40,6 +40,14 @@ def build_setup(flags: list[str]) -> Setup:
     return Setup(trainer)
 
 
+def rollout_recipe(setup: Setup, precision: str, rac_channels: int) -> QuadsRecipe:
+    """The trainer's recipe with another rollout precision (``rac_channels`` applies to w4a4_rac / quads only)."""
+    from quads_megatron.vocab import parse_precision
+
+    rac = parse_precision(precision).uses_rac
+    return setup.policy.recipe.replace(rollout_precision=precision, rac_channels=rac_channels if rac else None)
+
+
 def make_engine(setup: Setup, recipe: QuadsRecipe, calib_prompts: list[list[int]]):
     """A local engine whose plan is ``recipe`` on the trainer's model, loaded with the trainer's weights."""
     from quads_megatron.megatron.aqat import plan_for_model

@@ -41,6 +41,7 @@ def test_activation_error(tmp_path):
     assert len(by) == 10
     for r in data["results"]:
         assert {"mean_abs", "k3_kl", "tokens", "layer_rel_err"} <= set(r) and len(r["layer_rel_err"]) == 2
+    assert by["bf16", "w4a4_rac"]["rac_channels"] == 64 and by["bf16", "w4a4"]["rac_channels"] == 0  # --rac-channels
     assert by["bf16", "bf16"]["mean_abs"] < 1e-4           # same weights, same precision
     assert by["w4a16", "w4a16"]["mean_abs"] < 1e-4         # AQAT: the trainer sees the rollout's weights
     assert by["bf16", "w4a4"]["mean_abs"] > 5 * by["bf16", "bf16"]["mean_abs"]
