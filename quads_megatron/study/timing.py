@@ -16,10 +16,11 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device, seed: int 
 
 
 def capturable(module) -> bool:
-    """Our NVFP4 experts run without host syncs; HF's eager experts loop (BF16, w16a4) syncs per expert."""
-    from quads_megatron.rl.engines.precision import NVFP4Experts
+    """Our NVFP4 experts, and transformers' experts on its grouped_mm path (the local engine's BF16 on a GPU)."""
+    from quads_megatron.rl.engines.precision import graph_safe
 
-    return isinstance(module, NVFP4Experts)
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return graph_safe(module) or impl == "grouped_mm"
 
 
 @torch.no_grad()

@@ -50,8 +50,9 @@ class LocalEngine(RolloutEngine):
 
         device = resolve_device(device)
         cfg = hf_config
+        # BF16 experts: transformers' grouped_mm path on a GPU (no host syncs, so decode can be graph-captured)
         if hasattr(cfg, "_experts_implementation"):
-            cfg._experts_implementation = "eager"
+            cfg._experts_implementation = "eager" if device.type == "cpu" else "grouped_mm"
         cfg._attn_implementation = "eager" if device.type == "cpu" else "sdpa"
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         with torch.device(device):
@@ -60,6 +61,11 @@ class LocalEngine(RolloutEngine):
         self.device = device
         self.nvfp4_modules = install_nvfp4_modules(self.model, plan)
         self._loaded = False
+        from .precision import graph_safe
+
+        # The decode step is replayed from a CUDA graph when every replaced module is sync-free (not w16a4).
+        self.uses_cuda_graph = device.type == "cuda" and all(graph_safe(m) for m in self.nvfp4_modules.values())
+        self._decoders: dict[int, StaticDecoder] = {}  # one per batch size; dropped when weights or channels change
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -90,6 +96,7 @@ class LocalEngine(RolloutEngine):
                 seen.add(name)
         if not seen:
             raise ValueError("weight sync: no tensors received")
+        self._decoders.clear()
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self._loaded = True
@@ -117,6 +124,7 @@ class LocalEngine(RolloutEngine):
         from .precision import calibrate
 
         calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts))
+        self._decoders.clear()  # new channel index tensors: graphs captured before must not replay
 
     def quant_error_report(self) -> dict[str, float]:
         from .precision import error_report
@@ -141,8 +149,6 @@ class LocalEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
-        from transformers import DynamicCache
-
         params.validate()
         if not self._loaded:
             raise RuntimeError("LocalEngine.generate before update_weights: sync the trainer's weights first")
@@ -151,16 +157,15 @@ class LocalEngine(RolloutEngine):
         stops = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=self.device)
         ids, mask = self._left_pad(prompts)
         B = ids.shape[0]
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        next_pos = pos[:, -1:] + 1
+        dec = self._decoders.get(B)
+        if dec is None:
+            dec = self._decoders[B] = StaticDecoder(self.model, B, self.max_seq_len, self.device, self.uses_cuda_graph)
+        logits = dec.prefill(ids, mask)
         toks, lps = [], []
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         for _ in range(params.max_new_tokens):
-            tok, lp = sample_next(out.logits[:, -1], params.temperature, params.top_p, gen)
+            tok, lp = sample_next(logits, params.temperature, params.top_p, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             toks.append(tok)
             lps.append(lp)
@@ -168,12 +173,9 @@ class LocalEngine(RolloutEngine):
             hit = torch.isin(tok, stops) & alive
             finished |= hit
             done |= hit
-            if bool(done.all()):
+            if bool(done.all()) or len(toks) == params.max_new_tokens:
                 break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=out.past_key_values, use_cache=True)
-            next_pos = next_pos + 1
+            logits = dec.step(tok)
         T = torch.stack(toks, 1).tolist()
         L = torch.stack(lps, 1).tolist()
         results = []
@@ -183,3 +185,72 @@ class LocalEngine(RolloutEngine):
                 n = next(j for j, t in enumerate(T[i]) if t in set(params.stop_token_ids)) + 1
             results.append(Rollout(list(prompts[i]), T[i][:n], L[i][:n], bool(finished[i])))
         return results
+
+
+class StaticDecoder:
+    """Batched decode of a fixed batch size on a transformers StaticCache; on CUDA the one-token step is a CUDA graph.
+
+    All inputs of the step live in fixed buffers (token, position, the [B, max_len] padding mask),
+    so the captured graph is replayed per token; the weights it reads are the engine's in-place
+    buffers. Left padding: a row's positions count its own tokens (``mask.cumsum - 1``).
+    """
+
+    def __init__(self, model, batch: int, max_len: int, device, graph: bool):
+        from transformers import StaticCache
+
+        self.model, self.max_len, self.use_graph = model, max_len, graph
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.graph, self.logits, self.t = None, None, 0
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run the prompts [B, P] (eager) into a reset cache; return the last position's logits [B, V]."""
+        P = ids.shape[1]
+        self.cache.reset()
+        self.mask.zero_()
+        self.mask[:, :P] = mask
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        self.pos.copy_(pos[:, -1:] + 1)
+        self.t = P
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=self.pos,
+                          past_key_values=self.cache, use_cache=True).logits
+
+    def _capture(self) -> None:
+        """Warm up once (Triton compiles, cuBLAS handles), undo its cache advance, capture the step."""
+        lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        for layer, n in zip(self.cache.layers, lengths):
+            layer.cumulative_length.copy_(n)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        for layer, n in zip(self.cache.layers, lengths):  # capture records, it does not run; keep the state exact
+            layer.cumulative_length.copy_(n)
+
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row at the next cache slot; return the logits [B, V] of the next token."""
+        if self.t >= self.max_len:
+            raise RuntimeError(f"StaticDecoder: cache of {self.max_len} positions is full")
+        self.mask[:, self.t] = 1
+        self.tok.copy_(tok[:, None])
+        if self.use_graph:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            logits = self.logits
+        else:
+            logits = self._forward()
+        self.pos += 1
+        self.t += 1
+        return logits[:, -1]

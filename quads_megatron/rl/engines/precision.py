@@ -226,6 +226,11 @@ class NVFP4Linear(nn.Module):
                                       input_scale=self.input_scale)
 
 
+def graph_safe(module) -> bool:
+    """True when the module's forward has no host syncs, so a CUDA graph can capture it (all but w16a4's loops)."""
+    return isinstance(module, (NVFP4Experts, NVFP4Linear))
+
+
 def install_nvfp4_modules(model: nn.Module, plan: QuantPlan) -> dict:
     """Replace the plan's rollout-NVFP4 units of an HF Qwen3-MoE; return {HF module prefix: module}."""
     p0 = next(model.parameters())
