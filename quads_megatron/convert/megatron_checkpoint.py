@@ -11,13 +11,8 @@ before any model is built; the weights are then read through ``quads_megatron.me
 (one path for trainer and converters), whose errors this module turns into ``CheckpointError``.
 """
 
-import contextlib
 import json
-import multiprocessing
-import os
 import pickle
-import queue
-import signal
 from pathlib import Path
 
 import torch
@@ -29,6 +24,7 @@ from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir
 from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.integrity import verify_manifest, write_manifest
 from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY
+from quads_megatron.megatron.dist_writer import no_orphan_writers
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -55,63 +51,6 @@ def _reraise_interrupt(e: BaseException) -> None:
     cause = e.__cause__ or e.__context__
     if isinstance(cause, (Interrupted, KeyboardInterrupt)):
         raise cause
-
-
-# ---------------------------------------------------------------- writing without orphans
-
-_IN_SAVE = []       # non-empty while a save runs: forked children then get _child_after_fork
-_FORK_HOOK = []
-
-
-def _child_after_fork() -> None:
-    """In a process forked during a save (Megatron's shard writers): default signal actions, and die
-    with the parent (PR_SET_PDEATHSIG), so killing the converter never leaves a writer holding its stdout."""
-    if not _IN_SAVE:
-        return
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-@contextlib.contextmanager
-def no_orphan_writers():
-    """Run a dist_checkpointing save without a multiprocessing Manager server, its forked shard writers
-    dying with this process.
-
-    Megatron's torch_dist writer collects results through a spawn-context ``Manager().Queue()``: a
-    server process that outlives a killed parent and keeps its stdout/stderr open (a ``| tee`` then
-    hangs).  A synchronous save runs the collector in this process, so a thread queue does the job.
-    The forked writers get PR_SET_PDEATHSIG (SIGKILL of this process kills them) and are killed when
-    the block ends with an exception (a signal), so no writer outlives the run.
-    """
-    if not _FORK_HOOK and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_child_after_fork)
-        _FORK_HOOK.append(True)
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
-
-    patch = hasattr(fsa, "_results_queue")
-    previous = getattr(fsa, "_results_queue", None)
-    if patch:
-        fsa._results_queue = queue.Queue()
-    before = set(multiprocessing.active_children())
-    _IN_SAVE.append(True)
-    try:
-        yield
-    except BaseException:
-        # a signal or error while shard writers run: stop them now (interpreter exit would wait for them)
-        for child in set(multiprocessing.active_children()) - before:
-            child.kill()
-            child.join(timeout=5)
-        raise
-    finally:
-        _IN_SAVE.clear()
-        if patch:
-            fsa._results_queue = previous
 
 
 def build_model_from_hf_config(hf_config: dict, *, tp: int = 1, ep: int = 1, etp=None, spec: str = "local",

@@ -12,11 +12,10 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
-from quads_megatron.errors import CheckpointError
+from quads_megatron.errors import CheckpointError, signals_held
 from quads_megatron.integrity import write_manifest
 
 _STALE_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)-[^/]+$")
@@ -97,17 +96,6 @@ def remove_stale_temp_dirs(path) -> None:
         if kind == "old" and (p / "ckpt").is_dir() and not path.exists():
             os.rename(p / "ckpt", path)
         shutil.rmtree(p, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def signals_held():
-    """Hold SIGINT/SIGTERM back for the block (delivered after it), so cleanup and renames finish."""
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def make_temp_dir(path) -> Path:

@@ -37,6 +37,7 @@ from quads_megatron.errors import CheckpointError
 from quads_megatron.integrity import read_manifest, verify_manifest, write_manifest
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
 from quads_megatron.megatron.cpu import cuda_to_cpu
+from quads_megatron.megatron.dist_writer import no_orphan_writers
 from quads_megatron.recipe import QuadsRecipe
 
 TRACKER = "latest_checkpointed_iteration.txt"   # Megatron-LM's tracker file name
@@ -201,7 +202,8 @@ def _write(model, ckpt_dir, optimizer=None, metadata=None, common=None, rank_sta
             state[RANK_STATE_KEY] = ShardedObject(RANK_STATE_KEY, rank_state, (_world_size(),), (_rank(),),
                                                   replica_id=0)
         state[META_KEY] = meta
-        dist_checkpointing.save(state, str(ckpt_dir))
+        with no_orphan_writers():   # no Manager server, no writer outliving a killed or interrupted save
+            dist_checkpointing.save(state, str(ckpt_dir))
     _barrier()  # every rank's shards are on disk before they are hashed
     if _rank() == 0:
         write_manifest(ckpt_dir)

@@ -8,7 +8,12 @@ hashes from hashlib, never from the code under test.
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +119,67 @@ def test_tracker_never_moves_backwards(copy):
     with pytest.raises(CheckpointError, match="backwards"):
         mckpt.save_iteration(_model(), root, 3)
     assert _tree_hashes(root) == before
+
+
+# ------------------------------------------------------------------ a save killed or interrupted mid-write (subprocess)
+
+REPO = Path(__file__).resolve().parents[2]
+# The child saves iteration 1 through the real save_iteration under run_cli; only a delay is injected in the
+# forked shard writer (so the signal lands mid-write), and a marker file says the write has begun.
+_CHILD = """import sys, time
+MARK, SAVE = {mark!r}, {save!r}
+def slow(*a, **k):
+    open(MARK, 'w').close(); time.sleep(120); return real(*a, **k)
+def main(_):
+    from quads_megatron.megatron import build_gpt_model, initialize_distributed, qwen3_moe_config
+    from quads_megatron.megatron import checkpoint as mckpt
+    initialize_distributed()
+    mckpt.save_iteration(build_gpt_model(qwen3_moe_config("tiny"), 256, 16), SAVE, 1)
+if __name__ == "__main__":   # (a spawned helper process imports this file)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as m
+    real = m.FileSystemWriterAsync.write_preloaded_data
+    m.FileSystemWriterAsync.write_preloaded_data = staticmethod(slow)
+    from quads_megatron.errors import run_cli
+    sys.exit(run_cli(main, [], prog="save"))
+"""
+
+
+def _descendants(pid) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_save_iteration_killed_mid_write_leaves_no_writer_and_no_iteration(sig, tmp_path):
+    """No dist_checkpointing helper server or shard writer outlives the trainer's save (it would hold the
+    pipes: ``communicate`` returns only once nobody does), and no iteration or tracker appears."""
+    import psutil
+
+    save, mark = tmp_path / "save", tmp_path / "writing"
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(mark=str(mark), save=str(save)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not mark.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the child never started writing"
+        time.sleep(0.05)
+    children = _descendants(proc.pid)
+    assert children, "dist_checkpointing forked no writer (the case this test is about)"
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == [], f"processes left behind: {alive}"
+    assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), err
+    if sig != signal.SIGKILL:
+        assert [ln for ln in err.splitlines() if ln.startswith("save:")] == [
+            f"save: interrupted by {signal.Signals(sig).name}; partial output removed"] and "Traceback" not in err, err
+    assert not (save / mckpt.TRACKER).exists() and not (save / ITER).exists()
+    if sig != signal.SIGKILL:
+        assert list(save.iterdir()) == []   # the partial iteration (iter_0000001.tmp) was removed
 
 
 # ------------------------------------------------------------------ broken checkpoints: one named error each
