@@ -23,10 +23,9 @@ from quads_megatron.convert.megatron_params import padded_vocab_size
 from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir, make_temp_dir, remove_temp_dir
 from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.integrity import verify_manifest, write_manifest
-from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY
+from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, resolve_checkpoint_dir
 from quads_megatron.megatron.dist_writer import no_orphan_writers
 
-METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
 COMMON_PT = "common.pt"
 # HF config fields the weights were trained with: --hf-config / --preset must agree with the stored ones.
@@ -126,40 +125,6 @@ def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = F
     if dist.is_initialized():
         dist.barrier()
     return out_dir
-
-
-def resolve_checkpoint_dir(path) -> Path:
-    """The torch_dist directory itself, or the tracker's ``iter_*`` of a Megatron-LM save directory;
-    CheckpointError for a missing directory, a bad tracker, or a missing / malformed ``metadata.json``."""
-    from quads_megatron.megatron import checkpoint as mckpt
-
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"Megatron checkpoint directory not found: {path}")
-    tracker = path / mckpt.TRACKER
-    try:
-        it = mckpt.read_tracker(path)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{tracker}: unreadable ({_one_line(e)})") from None
-    if it is not None:
-        path = mckpt.iteration_dir(path, it)
-        if not path.is_dir():
-            raise CheckpointError(f"{tracker} names iteration {it}, but {path} is missing")
-    meta = path / METADATA_JSON
-    if not meta.is_file():
-        raise CheckpointError(f"{path}: not a Megatron dist_checkpointing checkpoint (no {METADATA_JSON}, "
-                              f"no {mckpt.TRACKER})")
-    try:
-        doc = json.loads(meta.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta}: not valid JSON ({_one_line(e)})") from None
-    if not isinstance(doc, dict) or doc.get("sharded_backend") != "torch_dist":
-        found = doc.get("sharded_backend") if isinstance(doc, dict) else type(doc).__name__
-        raise CheckpointError(f"{meta}: expected a dist_checkpointing config with sharded_backend 'torch_dist', "
-                              f"found {found!r}")
-    return path
 
 
 class MegatronCheckpoint:

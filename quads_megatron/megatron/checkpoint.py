@@ -24,6 +24,7 @@ Every user-facing failure (missing or corrupt file, bad tracker, shapes that dis
 model) is a ``CheckpointError`` naming the file; Megatron's own exceptions do not surface raw.
 """
 
+import json
 import os
 import random
 import shutil
@@ -41,6 +42,7 @@ from quads_megatron.megatron.dist_writer import no_orphan_writers
 from quads_megatron.recipe import QuadsRecipe
 
 TRACKER = "latest_checkpointed_iteration.txt"   # Megatron-LM's tracker file name
+METADATA_JSON = "metadata.json"                 # dist_checkpointing's config (sharded_backend, ...)
 RECIPE_KEY = "quads_recipe"
 HF_CONFIG_KEY = "hf_config"     # config.json as JSON text (written by the converters and the GRPO loop)
 META_KEY = "quads_checkpoint"   # layout, optimizer kind/keys, whether per-rank state was saved
@@ -252,27 +254,30 @@ def iteration_dir(save_dir, iteration) -> Path:
 
 
 def resolve_checkpoint_dir(path) -> Path:
-    """The dist_checkpointing directory itself, or the tracker's iteration of a Megatron-LM save directory."""
-    import json
-
+    """The torch_dist directory itself, or the tracker's iteration of a Megatron-LM save directory (trainer,
+    GRPO loop and converters); CheckpointError naming the directory, the tracker or ``metadata.json`` when
+    one is missing or malformed, or when the checkpoint is not torch_dist (the only backend we read)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory {path}")
     it = read_tracker(path)
     if it is not None:
+        tracker = path / TRACKER
         path = iteration_dir(path, it)
         if not path.is_dir():
-            raise CheckpointError(f"{Path(path).parent / TRACKER} names iteration {it}, but {path} is missing")
-    meta = path / "metadata.json"
+            raise CheckpointError(f"{tracker} names iteration {it}, but {path} is missing")
+    meta = path / METADATA_JSON
     if not meta.is_file():
-        raise CheckpointError(f"{path}: not a Megatron dist_checkpointing checkpoint (no metadata.json"
-                              f"{'' if it is not None else f' and no {TRACKER}'})")
+        raise CheckpointError(f"{path}: not a Megatron dist_checkpointing checkpoint (no {METADATA_JSON}"
+                              f"{'' if it is not None else f', no {TRACKER}'})")
     try:
         doc = json.loads(meta.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict) or "sharded_backend" not in doc:
-        raise CheckpointError(f"{meta}: not a dist_checkpointing config (expected a 'sharded_backend' key)")
+        raise CheckpointError(f"{meta}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict) or doc.get("sharded_backend") != "torch_dist":
+        found = doc.get("sharded_backend") if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointError(f"{meta}: expected a dist_checkpointing config with sharded_backend 'torch_dist', "
+                              f"found {found!r}")
     return path
 
 

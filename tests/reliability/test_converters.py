@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from quads_megatron.convert import cli, hf_to_megatron, megatron_to_hf, rollout_export
 from quads_megatron.integrity import MANIFEST, verify_manifest
 from tests.convert.convert_fixtures import save_tiny_hf
+from tests.reliability.children import assert_gone, descendants, start_until_marked
 
-REPO = Path(__file__).resolve().parents[2]
 EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
 PROGS = {hf_to_megatron.main: "quads-convert-hf-to-megatron", megatron_to_hf.main: "quads-convert-megatron-to-hf",
          rollout_export.main: "quads-export-rollout"}
@@ -250,27 +249,7 @@ def _start(tmp_path, tool, argv):
     script = tmp_path / "child.py"
     script.write_text(f"import sys, time\nMARK = {str(mark)!r}\n{patch or _SLOW_SAFETENSORS}"
                       f"import {module} as tool\nsys.argv = ['{tool}'] + {argv!r}\ntool.console_main()\n")
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while not mark.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "the child never started writing"
-        time.sleep(0.05)
-    return proc
-
-
-def _descendants(pid) -> list:
-    import psutil
-
-    return psutil.Process(pid).children(recursive=True)
-
-
-def _assert_gone(procs, timeout=10):
-    import psutil
-
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    assert alive == [], f"processes left behind: {alive}"
+    return start_until_marked(script, mark)
 
 
 def _tool_argv(tool, hf, mg, out):
@@ -286,7 +265,7 @@ def test_signal_mid_write_ends_with_one_line_and_removes_the_partial_output(tool
     out = tmp_path / "out"
     before = tree_hash(mg if tool == "m2h" else hf)
     proc = _start(tmp_path, tool, _tool_argv(tool, hf, mg, out))
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert leftovers(out), "no partial directory while writing"
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
@@ -295,18 +274,18 @@ def test_signal_mid_write_ends_with_one_line_and_removes_the_partial_output(tool
     assert ours == [f"{tool}: interrupted by {signal.Signals(sig).name}; partial output removed"], err
     assert "Traceback" not in err, err
     assert leftovers(out) == []
-    _assert_gone(children)
+    assert_gone(children)
     assert tree_hash(mg if tool == "m2h" else hf) == before
 
 
 def test_sigkill_mid_write_leaves_no_writer_and_the_next_run_cleans_up(tmp_path, hf, mg):
     out = tmp_path / "out"
     proc = _start(tmp_path, "h2m", _tool_argv("h2m", hf, mg, out))
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert children, "dist_checkpointing forked no writer (the case this test is about)"
     proc.kill()
     proc.communicate(timeout=30)     # returns only once no process holds the pipes (no orphaned writer)
-    _assert_gone(children)
+    assert_gone(children)
     stale = leftovers(out)
     assert len(stale) == 1 and stale[0].startswith(".out.partial-")
     assert cli.run(hf_to_megatron.main, _tool_argv("h2m", hf, mg, out)) == 0

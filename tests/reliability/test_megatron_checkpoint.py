@@ -11,9 +11,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.integrity import MANIFEST
 from quads_megatron.megatron import build_gpt_model, initialize_distributed, qwen3_moe_config
 from quads_megatron.megatron import checkpoint as mckpt
+from tests.reliability.children import assert_gone, descendants, start_until_marked
 
 ITER = "iter_0000001"
 
@@ -123,7 +122,6 @@ def test_tracker_never_moves_backwards(copy):
 
 # ------------------------------------------------------------------ a save killed or interrupted mid-write (subprocess)
 
-REPO = Path(__file__).resolve().parents[2]
 # The child saves iteration 1 through the real save_iteration under run_cli; only a delay is injected in the
 # forked shard writer (so the signal lands mid-write), and a marker file says the write has begun.
 _CHILD = """import sys, time
@@ -144,35 +142,20 @@ if __name__ == "__main__":   # (a spawned helper process imports this file)
 """
 
 
-def _descendants(pid) -> list:
-    import psutil
-
-    return psutil.Process(pid).children(recursive=True)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_save_iteration_killed_mid_write_leaves_no_writer_and_no_iteration(sig, tmp_path):
     """No dist_checkpointing helper server or shard writer outlives the trainer's save (it would hold the
     pipes: ``communicate`` returns only once nobody does), and no iteration or tracker appears."""
-    import psutil
-
     save, mark = tmp_path / "save", tmp_path / "writing"
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(mark=str(mark), save=str(save)))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while not mark.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "the child never started writing"
-        time.sleep(0.05)
-    children = _descendants(proc.pid)
+    proc = start_until_marked(script, mark)
+    children = descendants(proc.pid)
     assert children, "dist_checkpointing forked no writer (the case this test is about)"
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=30)
-    _, alive = psutil.wait_procs(children, timeout=10)
-    assert alive == [], f"processes left behind: {alive}"
+    assert_gone(children)
     assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), err
     if sig != signal.SIGKILL:
         assert [ln for ln in err.splitlines() if ln.startswith("save:")] == [
