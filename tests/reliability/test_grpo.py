@@ -128,7 +128,8 @@ def test_rac_channels_refused_by_training_and_export_with_the_plans_message(tmp_
 
 
 def test_cli_entry_points_exit_2_with_one_line(tmp_path):
-    """`python -m quads_megatron.rl` and the example script (through torchrun, 2 ranks: one line each)."""
+    """`python -m quads_megatron.rl` and the example script (through torchrun, 2 ranks: one line per rank that got
+    to print it; torchrun stops the other rank as soon as the first exits, so that is one or two lines)."""
     cmd = [sys.executable, "-m", "quads_megatron.rl", "--top-p", "2"]
     p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == f"{PROG}: error: --top-p 2.0: must be <= 1.0", p.stderr
@@ -136,7 +137,8 @@ def test_cli_entry_points_exit_2_with_one_line(tmp_path):
     p = subprocess.run(["bash", str(ROOT / "examples" / "train_grpo_moe.sh"), "--lr", "-1"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180)
     lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and lines == [f"{PROG}: error: --lr -1.0: must be >= 0.0"] * 2, p.stderr
+    assert p.returncode == 2 and len(lines) in (1, 2), p.stderr
+    assert set(lines) == {f"{PROG}: error: --lr -1.0: must be >= 0.0"}, p.stderr
     assert not any(tmp_path.iterdir())
 
 

@@ -13,7 +13,6 @@ loads and matches the kernel reference bitwise.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import torch
 pytest.importorskip("sglang", reason="SGLang is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang_ext"))
 
-from sglang_fixtures import TINY_HF, comp_index, input_scale, nvfp4_gate_up, nvfp4_linear  # noqa: E402
+from sglang_fixtures import (TINY_HF, comp_index, init_sglang_runtime, input_scale, moe_checkpoint,  # noqa: E402
+                             nvfp4_linear)
 
 from quads_megatron.errors import CheckpointError, ConfigError  # noqa: E402
 from quads_megatron.integrity import write_manifest  # noqa: E402
@@ -46,24 +46,7 @@ def torch_kernels(monkeypatch):
 @pytest.fixture(scope="module")
 def runtime():
     """SGLang's plugin loading plus world-size-1 gloo model-parallel groups (as tests/sglang_ext)."""
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()
-    if not parallel_state.model_parallel_is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        parallel_state.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}")
-        reset_context()
-        publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1), role="test",
-                ranks=SpawnRanks(world_rank=0))
-        get_parallel().override_permanently(world_group=parallel_state._WORLD)
-        parallel_state.initialize_model_parallel(backend="gloo")
-    return parallel_state
+    return init_sglang_runtime()
 
 
 def _config(mode="w4a4_rac", scaling="per_token"):
@@ -75,20 +58,7 @@ def _config(mode="w4a4_rac", scaling="per_token"):
 
 # --- the tiny valid checkpoint -------------------------------------------------------------
 def _moe_ckpt(seed=10) -> dict:
-    out = {}
-    fc1_comp, fc1_scale = comp_index(H, K, seed), input_scale(seed)
-    for e in range(E):
-        gate, up = nvfp4_gate_up(F, H, seed + e)
-        down = nvfp4_linear(H, F, seed + 50 + e)
-        for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-            for key, v in t.items():
-                out[f"experts.{e}.{proj}.{key}"] = v
-        for proj in ("gate_proj", "up_proj"):
-            out[f"experts.{e}.{proj}.input_scale"] = fc1_scale.clone()
-            out[f"experts.{e}.{proj}.input_comp_index"] = fc1_comp.clone()
-        out[f"experts.{e}.down_proj.input_scale"] = input_scale(seed + 50 + e)
-        out[f"experts.{e}.down_proj.input_comp_index"] = comp_index(F, K, seed + 50 + e)
-    return out
+    return moe_checkpoint(E, H, F, K, seed)
 
 
 def _moe_layer(cfg):

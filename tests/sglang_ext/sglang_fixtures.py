@@ -45,6 +45,49 @@ def input_scale(seed: int) -> torch.Tensor:
     return torch.tensor((4.0 + torch.rand((), generator=g).item()) / 2688.0, dtype=torch.float32)
 
 
+def moe_checkpoint(num_experts: int, hidden: int, ffn: int, k: int, seed: int) -> Dict[str, torch.Tensor]:
+    """HF-named tensors of one RAC MoE layer (`experts.{e}.{gate,up,down}_proj.*`), k channels per set."""
+    out = {}
+    fc1_comp, fc1_scale = comp_index(hidden, k, seed), input_scale(seed)
+    for e in range(num_experts):
+        gate, up = nvfp4_gate_up(ffn, hidden, seed + e)
+        down = nvfp4_linear(hidden, ffn, seed + 50 + e)
+        for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            for key, v in t.items():
+                out[f"experts.{e}.{proj}.{key}"] = v
+        for proj in ("gate_proj", "up_proj"):
+            out[f"experts.{e}.{proj}.input_scale"] = fc1_scale.clone()
+            out[f"experts.{e}.{proj}.input_comp_index"] = fc1_comp.clone()
+        out[f"experts.{e}.down_proj.input_scale"] = input_scale(seed + 50 + e)
+        out[f"experts.{e}.down_proj.input_comp_index"] = comp_index(ffn, k, seed + 50 + e)
+    return out
+
+
+def init_sglang_runtime():
+    """What SGLang's scheduler does at start-up (load_plugins, init_distributed_environment, publish the
+    server args, initialize_model_parallel), on CPU with gloo and TP = EP = 1; returns parallel_state."""
+    import socket
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    if not parallel_state.model_parallel_is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}")
+        reset_context()
+        publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1), role="test",
+                ranks=SpawnRanks(world_rank=0))
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+        parallel_state.initialize_model_parallel(backend="gloo")
+    return parallel_state
+
+
 def save_tiny_hf(path: Path, seed: int = 0) -> Path:
     """A BF16 transformers Qwen3MoeForCausalLM of TINY_HF with weights of a realistic spread."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

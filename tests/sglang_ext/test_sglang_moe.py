@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear
+from sglang_fixtures import moe_checkpoint
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from sglang_ext.kernels import reference
 
@@ -34,21 +34,7 @@ def _config(mode: str, scaling: str):
 
 def _expert_checkpoint(seed: int) -> dict:
     """HF-named tensors of one MoE layer (`experts.{e}.{gate,up,down}_proj.*`)."""
-    out = {}
-    fc1_comp = comp_index(H, RAC_K, seed)
-    fc1_scale = input_scale(seed)
-    for e in range(E):
-        gate, up = nvfp4_gate_up(F, H, seed + e)
-        down = nvfp4_linear(H, F, seed + 50 + e)
-        for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-            for key, v in t.items():
-                out[f"experts.{e}.{proj}.{key}"] = v
-        for proj in ("gate_proj", "up_proj"):
-            out[f"experts.{e}.{proj}.input_scale"] = fc1_scale.clone()
-            out[f"experts.{e}.{proj}.input_comp_index"] = fc1_comp.clone()
-        out[f"experts.{e}.down_proj.input_scale"] = input_scale(seed + 50 + e)
-        out[f"experts.{e}.down_proj.input_comp_index"] = comp_index(F, RAC_K, seed + 50 + e)
-    return out
+    return moe_checkpoint(E, H, F, RAC_K, seed)
 
 
 def _load(layer, ckpt: dict) -> None:
