@@ -19,8 +19,7 @@ from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 import torch
 
 from quads_megatron.errors import CheckpointError
-
-E4M3_NAN_BITS = 0x7F  # float8_e4m3fn has no Inf; 0x7F and 0xFF are its NaNs
+from quads_megatron.nvfp4.tensor import bad_block_scales
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -46,15 +45,12 @@ def as_block_scale(name: str, t: torch.Tensor, want: Tuple[Optional[int], ...]) 
         raise CheckpointError(f"{name}: expected float8_e4m3fn block scales (or their bytes as uint8) "
                               f"{_shape(want)}, got {_describe(t)}")
     _check_shape(name, t, want, "one E4M3 scale per 16 inputs: K // 16 columns")
-    bits = t.view(torch.uint8)
-    nan = (bits & E4M3_NAN_BITS) == E4M3_NAN_BITS
-    if bool(nan.any()):
-        raise CheckpointError(f"{name}: {int(nan.sum())} block scales are E4M3 NaN bytes (0x7F/0xFF), first at "
-                              f"{tuple(torch.nonzero(nan)[0].tolist())}")
-    neg = (bits & 0x80).bool() & (bits != 0x80)
-    if bool(neg.any()):
-        raise CheckpointError(f"{name}: {int(neg.sum())} block scales are negative, first at "
-                              f"{tuple(torch.nonzero(neg)[0].tolist())}; NVFP4 block scales are >= 0")
+    bad = bad_block_scales(t)
+    if bad is not None:
+        kind, n, at = bad
+        what = "E4M3 NaN bytes (0x7F/0xFF)" if kind == "nan" else "negative"
+        raise CheckpointError(f"{name}: {n} block scales are {what}, first at {at}"
+                              + ("; NVFP4 block scales are >= 0" if kind == "negative" else ""))
     return t
 
 

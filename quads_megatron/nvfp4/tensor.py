@@ -28,6 +28,21 @@ def check_block_shape(block_shape) -> tuple:
     return bs
 
 
+def bad_block_scales(scale: torch.Tensor):
+    """The first kind of invalid E4M3 block scale in ``scale`` as (kind, count, index of the first), or None.
+
+    kind is "nan" (bytes 0x7F / 0xFF: E4M3 has no Inf) or "negative" (sign bit set, not -0): NVFP4
+    block scales are amax / 6 >= 0. One host sync; reads the bytes, so float8 or raw uint8 both work.
+    """
+    bits = scale.view(torch.uint8)
+    nan = (bits & E4M3_NAN_BITS) == E4M3_NAN_BITS
+    neg = ((bits & 0x80) != 0) & (bits != 0x80)
+    for kind, bad in (("nan", nan), ("negative", neg)):
+        if bool(bad.any()):
+            return kind, int(bad.sum()), tuple(torch.nonzero(bad)[0].tolist())
+    return None
+
+
 def _what(t) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -123,13 +138,11 @@ class NVFP4Tensor:
         if not bool((torch.isfinite(gs) & (gs > 0)).all()):
             bad = gs[~(torch.isfinite(gs) & (gs > 0))].reshape(-1)[0].item()
             raise InputError(f"{name}.global_scale: expected finite values > 0 (S_dec = amax / 2688), found {bad}")
-        bits = self.scale.view(torch.uint8)
-        nan = (bits & E4M3_NAN_BITS) == E4M3_NAN_BITS
-        neg = ((bits & 0x80) != 0) & (bits != 0x80)
-        for bad, what in ((nan, "NaN (bytes 0x7F/0xFF)"), (neg, "negative")):
-            if bool(bad.any()):
-                at = tuple(torch.nonzero(bad)[0].tolist())
-                raise InputError(f"{name}.scale: {int(bad.sum())} block scales are {what}, first at {at}")
+        bad = bad_block_scales(self.scale)
+        if bad is not None:
+            kind, n, at = bad
+            what = "NaN (bytes 0x7F/0xFF)" if kind == "nan" else "negative"
+            raise InputError(f"{name}.scale: {n} block scales are {what}, first at {at}")
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16, *, backend=None) -> torch.Tensor:
         """Decode to `dtype` (see `quads_megatron.nvfp4.dequantize`; same `backend`)."""
