@@ -12,21 +12,24 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_device(device=None) -> torch.device:
-    """``device`` as a torch.device (None: ``default_device()``); 'cuda' without a usable GPU is a ConfigError."""
+def resolve_device(device=None, what: str = "device") -> torch.device:
+    """``device`` as a torch.device (None: ``default_device()``): cpu or cuda[:N], cuda only with a GPU.
+
+    A bad value is a ConfigError naming ``what`` (the flag, e.g. ``--device``).
+    """
     from quads_megatron.errors import ConfigError
 
     if device is None:
         return default_device()
     try:
         d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device {device!r}: not a torch device ({e}); expected cpu or cuda[:N]") from None
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} {device!r}: expected cpu, cuda or cuda:N")
     if d.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r}: CUDA was asked for but no GPU is usable here")
+            raise ConfigError(f"{what} {device}: no CUDA GPU is available on this machine (use {what} cpu)")
         if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif d.type != "cpu":
-        raise ConfigError(f"device {device!r}: expected cpu or cuda[:N]")
+            raise ConfigError(f"{what} {device}: only {torch.cuda.device_count()} CUDA device(s) present")
     return d

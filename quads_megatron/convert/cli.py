@@ -36,22 +36,6 @@ def check_positive(**flags) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
 
 
-def check_device(device: str) -> torch.device:
-    """The ``--device`` as a torch.device: cpu or cuda[:N], and cuda only when a GPU is there."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r}: expected cpu, cuda or cuda:N")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: no CUDA GPU is available on this machine (use --device cpu)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
-    return dev
-
-
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing --save-dir")
     parser.add_argument("--dry-run", action="store_true", help="list what would be written; write nothing")

@@ -24,6 +24,7 @@ from quads_megatron.convert import cli, qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite, format_listing,
                                                   write_json)
+from quads_megatron.device import resolve_device
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
 from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
@@ -217,7 +218,7 @@ def check_args(args) -> list:
     cli.check_positive(calib_size=args.calib_size, calib_seq_len=args.calib_seq_len)
     if args.rac_channels is not None and args.rac_channels < 0:
         raise ConfigError(f"--rac-channels {args.rac_channels}: must be >= 0")
-    cli.check_device(args.device)
+    resolve_device(args.device, what="--device")
     cli.parse_size(args.max_shard_size)
     return [("--load-dir", args.load_dir), ("--tokenizer-dir", args.tokenizer_dir),
             ("--calib-data", args.calib_data), ("--recipe", args.recipe)]
