@@ -33,6 +33,11 @@ class Precision(str, enum.Enum):
         return self in (Precision.W4A4, Precision.W4A4_RAC, Precision.W16A4)
 
     @property
+    def local_only(self) -> bool:
+        """No checkpoint format or SGLang kernel exists: only the in-process local engine runs it."""
+        return self is Precision.W16A4
+
+    @property
     def uses_rac(self) -> bool:
         return self is Precision.W4A4_RAC
 

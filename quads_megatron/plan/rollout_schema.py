@@ -101,8 +101,8 @@ class RolloutQuantConfig:
         if not _is_int(self.group_size) or self.group_size != GROUP_SIZE:
             self._fail("group_size", f"NVFP4 uses the integer {GROUP_SIZE}, got {self.group_size!r}")
         if not self.precision.quantizes_weights:
-            self._fail("precision", "'bf16' is not a quantized checkpoint (drop quantization_config, "
-                                    "or use w4a16 / w4a4 / w4a4_rac)")
+            self._fail("precision", f"{self.precision.value!r} has no NVFP4 weights, so it is not a quantized "
+                                    "checkpoint (drop quantization_config, or use w4a16 / w4a4 / w4a4_rac)")
         k = self.rac_channels
         if not _is_int(k) or k < 0 or k % GROUP_SIZE:
             self._fail("rac_channels", f"expected an integer multiple of {GROUP_SIZE} >= 0, got {k!r}")

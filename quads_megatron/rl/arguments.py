@@ -365,6 +365,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_paths(args)
     check_checkpoint_flags(args, explicit_load)
     args.recipe = resolve_recipe(args)
+    if args.rollout_engine == "sglang" and args.recipe.rollout_precision.local_only:
+        raise ConfigError(f"--rollout-precision {args.recipe.rollout_precision.value}: runs in the local engine only "
+                          "(no SGLang checkpoint format); use --rollout-engine local")
     check_model(args)
     if args.sft_iters is None:
         args.sft_iters = 0 if args.hf_checkpoint else 60

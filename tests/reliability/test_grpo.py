@@ -56,6 +56,8 @@ FLAG_CASES = {
     "mis-inverted": (["--mis-low", "2", "--mis-high", "0.5"], ["--mis-low 2.0", "--mis-high 0.5", "below"]),
     "group-size-1": (["--n-samples-per-prompt", "1"], ["--n-samples-per-prompt 1", ">= 2", "group"]),
     "sglang-url-without-engine": (["--sglang-url", "http://127.0.0.1:9"], ["--sglang-url", "--rollout-engine sglang"]),
+    "w16a4-with-sglang": (["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:9", "--rollout-precision",
+                           "w16a4"], ["--rollout-precision w16a4", "local engine only"]),
     "sglang-router-without-engine": (["--sglang-router-url", "http://127.0.0.1:9"], ["--sglang-router-url"]),
     "rac-channels-above-K": (["--rac-channels", "128"], ["rac_channels=128", "exceeds the 64 input channels"]),
     "rac-channels-not-16x": (["--rac-channels", "24"], ["rac_channels=24", "multiple of 16"]),
