@@ -65,7 +65,8 @@ class LocalEngine(RolloutEngine):
 
         # The decode step is replayed from a CUDA graph when every replaced module is sync-free (not w16a4).
         self.uses_cuda_graph = device.type == "cuda" and all(graph_safe(m) for m in self.nvfp4_modules.values())
-        self._decoders: dict[int, StaticDecoder] = {}  # one per batch size; dropped when weights or channels change
+        # one per batch size; weights and calibrated channels are written in place, so captured graphs stay valid
+        self._decoders: dict[int, StaticDecoder] = {}
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -96,7 +97,6 @@ class LocalEngine(RolloutEngine):
                 seen.add(name)
         if not seen:
             raise ValueError("weight sync: no tensors received")
-        self._decoders.clear()
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self._loaded = True
@@ -123,8 +123,8 @@ class LocalEngine(RolloutEngine):
         """Pick RAC channels and static input scales (as the plan asks) from these prompts' activations."""
         from .precision import calibrate
 
-        calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts))
-        self._decoders.clear()  # new channel index tensors: graphs captured before must not replay
+        if calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts)):
+            self._decoders.clear()  # channel / scale tensors were rebound: graphs captured before must not replay
 
     def quant_error_report(self) -> dict[str, float]:
         from .precision import error_report
@@ -233,10 +233,8 @@ class StaticDecoder:
         for layer, n in zip(self.cache.layers, lengths):
             layer.cumulative_length.copy_(n)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph):  # records the step without running it: the cache is left as it was
             self.logits = self._forward()
-        for layer, n in zip(self.cache.layers, lengths):  # capture records, it does not run; keep the state exact
-            layer.cumulative_length.copy_(n)
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Feed one token per row at the next cache slot; return the logits [B, V] of the next token."""

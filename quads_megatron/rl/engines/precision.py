@@ -276,16 +276,35 @@ def load_quantized(modules: dict, name: str, original: torch.Tensor, q: nvfp4.NV
         m.meter.add(original, q)
 
 
+def _store(m, attr: str, value) -> bool:
+    """Set ``m.attr`` to ``value``, in place when a tensor of the same shape, dtype and device is there (so a
+    captured CUDA graph that reads it stays valid); return True when the attribute had to be rebound."""
+    old = getattr(m, attr)
+    if old is value:
+        return False
+    if (isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape
+            and old.dtype == value.dtype and old.device == value.device):
+        old.copy_(value)
+        return False
+    setattr(m, attr, value)
+    return True
+
+
 @torch.no_grad()
-def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
-    """Run calibration prompts; set RAC channels (w4a4_rac) and static input scales; record activation errors."""
+def calibrate(modules: dict, plan: QuantPlan, run_forward) -> bool:
+    """Run calibration prompts; set RAC channels (w4a4_rac) and static input scales; record activation errors.
+
+    Channels and scales are written in place after the first calibration; returns True when any
+    of them was (re)bound instead, so graphs captured before must not be replayed.
+    """
     from quads_megatron.rac import ActivationStats, calibrate_comp_channels, compensated_activation, weight_column_norm_sq
 
     k = plan.rac_channels
     static = plan.activation_scaling is ActivationScaling.STATIC
     active = {n: m for n, m in modules.items() if m.precision.quantizes_activations}
     if not active:
-        return
+        return False
+    rebound = False
     for m in active.values():
         if isinstance(m, _QuantExperts):
             m.stats = (ActivationStats(m.hidden), ActivationStats(m.ffn, num_groups=m.num_experts))
@@ -304,14 +323,14 @@ def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
             s13, s2 = st
             if static:
                 dev = next(itertools.chain(m.parameters(), m.buffers())).device
-                m.w13_input_scale, m.w2_input_scale = (nvfp4.global_decode_scale(a).to(dev).reshape(())
-                                                       for a in m._amax)
+                for attr, a in zip(("w13_input_scale", "w2_input_scale"), m._amax):
+                    rebound |= _store(m, attr, nvfp4.global_decode_scale(a).to(dev).reshape(()))
             if m.precision.uses_rac:
                 dev = m.w13.device  # the statistics live on the CPU; the kernels want the indices beside x
-                m.w13_comp_index = calibrate_comp_channels(
-                    s13, weight_column_norm_sq(m.dequantized("w13"), per_expert=False), k).to(dev)
-                m.w2_comp_index = calibrate_comp_channels(
-                    s2, weight_column_norm_sq(m.dequantized("w2"), per_expert=True), k).to(dev)
+                rebound |= _store(m, "w13_comp_index", calibrate_comp_channels(
+                    s13, weight_column_norm_sq(m.dequantized("w13"), per_expert=False), k).to(dev))
+                rebound |= _store(m, "w2_comp_index", calibrate_comp_channels(
+                    s2, weight_column_norm_sq(m.dequantized("w2"), per_expert=True), k).to(dev))
             x = torch.cat(m._x) if m._x else None
             if x is not None and x.numel():
                 xq, _ = compensated_activation(x, None)
@@ -324,25 +343,29 @@ def calibrate(modules: dict, plan: QuantPlan, run_forward) -> None:
             m._x = []
         else:
             if static:
-                m.input_scale = nvfp4.global_decode_scale(m._amax).to(m.weight.device).reshape(())
+                rebound |= _store(m, "input_scale", nvfp4.global_decode_scale(m._amax).to(m.weight.device).reshape(()))
             if m.precision.uses_rac and not n.endswith(("k_proj", "v_proj")):
                 # q/k/v read one input: one set ranked on their stacked columns (as the exporter does)
                 parts = [active.get(n[: -len("q_proj")] + p) for p in ("q_proj", "k_proj", "v_proj")] \
                     if n.endswith("q_proj") else [m]
                 w = torch.cat([p.dequantized() for p in parts if p is not None])
-                m.comp_index = calibrate_comp_channels(st, weight_column_norm_sq(w), k).to(m.weight.device)
-    _share_qkv_channels(active, plan)
+                rebound |= _store(m, "comp_index",
+                                  calibrate_comp_channels(st, weight_column_norm_sq(w), k).to(m.weight.device))
+    return _share_qkv_channels(active, plan) or rebound
 
 
-def _share_qkv_channels(modules: dict, plan: QuantPlan) -> None:
+def _share_qkv_channels(modules: dict, plan: QuantPlan) -> bool:
     """q/k/v read one input: give them one RAC set and one static scale, as the exporter and SGLang's QKV layer do."""
+    rebound = False
     for i in range(plan.dims.num_layers):
         qkv = [modules.get(f"model.layers.{i}.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")]
         if not all(qkv):
             continue
         q = qkv[0]
         for m in qkv[1:]:
-            m.comp_index, m.input_scale = q.comp_index, q.input_scale
+            rebound |= _store(m, "comp_index", q.comp_index)
+            rebound |= _store(m, "input_scale", q.input_scale)
+    return rebound
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

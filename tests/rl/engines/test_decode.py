@@ -17,11 +17,11 @@ def _config():
                           num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
 
 
-def _source_weights():
+def _source_weights(seed: int = 0):
     """HF-named weights of a seeded random model, experts split per expert as the trainer's sync sends them."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     src = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
     named = []
     for name, t in src.state_dict().items():
@@ -37,7 +37,7 @@ def _source_weights():
     return named
 
 
-def _engine(precision):
+def _engine(precision, seed: int = 0):
     from quads_megatron.convert import qwen3_moe
 
     cfg = _config()
@@ -45,7 +45,7 @@ def _engine(precision):
     plan = QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision=precision,
                                          rac_channels=16 if precision == "w4a4_rac" else 0), dims)
     eng = LocalEngine(cfg, plan, max_seq_len=40, device="cpu", dtype=torch.float32, pad_token_id=0)
-    eng.update_weights(_source_weights())
+    eng.update_weights(_source_weights(seed))
     if plan.rollout_precision.quantizes_activations:
         eng.calibrate([[1, 5, 7, 9, 11, 13], [2, 4, 6]])
     return eng
@@ -75,6 +75,26 @@ def test_cached_decode_matches_a_full_forward(precision, temperature):
             assert all(abs(lp) < 50 for lp in o.logprobs)
     again = eng.generate(prompts, params, seed=3)  # the decoder and its cache are reused: same result
     assert [o.response_ids for o in again] == [o.response_ids for o in outs]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "w4a4_rac"])
+def test_a_weight_update_and_recalibration_keep_the_decoder(precision):
+    """Weights and RAC channels are written in place, so the engine keeps its decoder (and, on CUDA, its graph)
+    across a GRPO step's sync; what it then samples is what a freshly built engine with those weights samples."""
+    eng = _engine(precision)
+    prompts = [[3, 14, 15, 9, 26], [5, 35]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=[])
+    eng.generate(prompts, params, seed=5)
+    dec = eng._decoders[2]
+    eng.update_weights(_source_weights(seed=1))
+    if precision == "w4a4_rac":
+        eng.calibrate([[1, 5, 7, 9, 11, 13], [2, 4, 6]])
+    out = eng.generate(prompts, params, seed=5)
+    assert eng._decoders[2] is dec
+    fresh = _engine(precision, seed=1).generate(prompts, params, seed=5)
+    assert [o.response_ids for o in out] == [o.response_ids for o in fresh]
+    torch.testing.assert_close(torch.tensor([o.logprobs for o in out]), torch.tensor([o.logprobs for o in fresh]),
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.gpu
