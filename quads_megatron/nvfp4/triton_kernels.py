@@ -136,11 +136,72 @@ if triton is not None:
         return codes, sf_bits, sf_val
 
     @triton.jit
-    def _quantize_kernel(x_ptr, q_ptr, s_ptr, dq_ptr, senc_ptr, sdec_ptr, R, K,
-                         PER_ROW: tl.constexpr, FAKE: tl.constexpr, OUT_BF16: tl.constexpr,
+    def e2m1_round(a):
+        """|v| already scaled and clamped to [0, 6] -> (E2M1 code magnitude 0..7, rounded value), RNE.
+
+        On [1, 6] E2M1 is a float with one mantissa bit: round the fp32 mantissa to bit 22 (ties to
+        even) and read the code from exponent and that bit. On [0, 1) the grid step is 0.5: adding
+        2^22 (whose ulp is 0.5) rounds to it. Bit moves only; the same ties as TE's thresholds."""
+        bits = a.to(tl.int32, bitcast=True)
+        rb = (bits + 0x1FFFFF + ((bits >> 22) & 1)) & -4194304          # keep sign, exponent, bit 22
+        shifted = a + 4194304.0
+        small = a < 1.0
+        code = tl.where(small, shifted.to(tl.int32, bitcast=True) - 0x4A800000, (rb >> 22) - 252)
+        value = tl.where(small, shifted - 4194304.0, rb.to(tl.float32, bitcast=True))
+        return code, value
+
+    @triton.jit
+    def load_pairs(ptr, mask, IN_KIND: tl.constexpr):
+        """Load words of two consecutive elements -> (even, odd) as fp32. IN_KIND 0: bf16 pairs in
+        int32 words, 1: fp16 pairs in int32, 2: fp32 pairs in int64. One wide load per pair, and the
+        nibble packing needs no data movement between threads."""
+        w = tl.load(ptr, mask=mask, other=0)
+        if IN_KIND == 0:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        elif IN_KIND == 1:
+            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            lo = w.to(tl.int32).to(tl.float32, bitcast=True)
+            hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return lo, hi
+
+    @triton.jit
+    def store_pairs(ptr, lo, hi, mask, IN_KIND: tl.constexpr):
+        """The inverse of `load_pairs` (bf16 rounded to nearest even, as torch's cast)."""
+        if IN_KIND == 0:
+            w = bf16_round(lo) | (bf16_round(hi) << 16)
+        elif IN_KIND == 1:
+            w = (lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+                 | (hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32) << 16))
+        else:
+            w = ((lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+                 | (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32))
+        tl.store(ptr, w, mask=mask)
+
+    @triton.jit
+    def quantize_pairs(lo, hi, s_enc, s_dec):
+        """NVFP4 of a [rows, blocks, 8] tile of element pairs (TE's operation order).
+
+        Returns (packed codes uint8 [rows, blocks, 8], scale bits [rows, blocks], decoded scale
+        [rows, blocks], signed E2M1 values of the even and odd elements). s_enc / s_dec: scalars or
+        [rows, 1]. Unused results cost nothing (the compiler drops them)."""
+        vmax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+        sf_bits, sf_val, enc = block_scales(vmax, s_enc, s_dec)
+        c_lo, v_lo = e2m1_round(tl.minimum(tl.abs(lo * enc[:, :, None]), 6.0))
+        c_hi, v_hi = e2m1_round(tl.minimum(tl.abs(hi * enc[:, :, None]), 6.0))
+        neg_lo = lo < 0
+        neg_hi = hi < 0
+        packed = (c_lo | (neg_lo.to(tl.int32) << 3) | (c_hi << 4) | (neg_hi.to(tl.int32) << 7)).to(tl.uint8)
+        return packed, sf_bits, sf_val, tl.where(neg_lo, -v_lo, v_lo), tl.where(neg_hi, -v_hi, v_hi)
+
+    @triton.jit
+    def _quantize_kernel(xw_ptr, q_ptr, s_ptr, dqw_ptr, senc_ptr, sdec_ptr, R, K,
+                         PER_ROW: tl.constexpr, FAKE: tl.constexpr, IN_KIND: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # the tile is loaded as [rows, 16-blocks, 8 pairs, 2] so that block reductions and
-        # nibble packing need no data movement between threads
+        """One [BLOCK_R, BLOCK_K] tile of an [R, K] tensor with given global scales (scalar or per row);
+        x (and the fake-quantized output) are addressed as words of two elements."""
         NB: tl.constexpr = BLOCK_K // 16
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -148,39 +209,26 @@ if triton is not None:
         blocks = pid_k * NB + tl.arange(0, NB)
         rmask = rows < R
         bmask = rmask[:, None] & (blocks < K // 16)[None, :]                     # [R, NB]
-        r4 = rows.to(tl.int64)[:, None, None, None]
-        b4 = blocks[None, :, None, None]
-        p4 = tl.arange(0, 8)[None, None, :, None]
-        e4 = tl.arange(0, 2)[None, None, None, :]
-        offs = r4 * K + b4 * 16 + p4 * 2 + e4
-        mask4 = bmask[:, :, None, None] & (p4 >= 0) & (e4 >= 0)
-        x = tl.load(x_ptr + offs, mask=mask4, other=0.0).to(tl.float32)
+        woffs = (rows.to(tl.int64)[:, None, None] * (K // 2) + blocks[None, :, None] * 8
+                 + tl.arange(0, 8)[None, None, :])
+        mask = bmask[:, :, None]
+        lo, hi = load_pairs(xw_ptr + woffs, mask, IN_KIND)
         if PER_ROW:
             s_enc = tl.load(senc_ptr + rows, mask=rmask, other=1.0)[:, None]
             s_dec = tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None]
         else:
             s_enc = tl.load(senc_ptr)
             s_dec = tl.load(sdec_ptr)
-        vmax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)                        # [R, NB]
-        sf_bits, sf_val, enc = block_scales(vmax, s_enc, s_dec)
-        scaled = tl.minimum(tl.maximum(x * enc[:, :, None, None], -6.0), 6.0)
-        codes = e2m1_encode(scaled)
+        packed, sf_bits, sf_val, v_lo, v_hi = quantize_pairs(lo, hi, s_enc, s_dec)
         if FAKE:
-            dq = e2m1_decode(codes) * sf_val[:, :, None, None]
             if PER_ROW:
-                dq = dq * s_dec[:, :, None, None]
+                d = s_dec[:, :, None]
             else:
-                dq = dq * s_dec
-            if OUT_BF16:
-                tl.store(dq_ptr + offs, bf16_round(dq).to(tl.uint16), mask=mask4)
-            else:
-                tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=mask4)
+                d = s_dec
+            sf = sf_val[:, :, None]
+            store_pairs(dqw_ptr + woffs, v_lo * sf * d, v_hi * sf * d, mask, IN_KIND)
         else:
-            lo, hi = tl.split(codes)
-            packed = lo | (hi << 4)                                              # [R, NB, 8]
-            r3 = rows.to(tl.int64)[:, None, None]
-            poffs = r3 * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-            tl.store(q_ptr + poffs, packed, mask=bmask[:, :, None])
+            tl.store(q_ptr + woffs, packed, mask=mask)
             tl.store(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blocks[None, :], sf_bits,
                      mask=bmask)
 
@@ -212,6 +260,103 @@ if triton is not None:
             tl.store(out_ptr + offs, bf16_round(out).to(tl.uint16), mask=mask)
         else:
             tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_ticket(i, T, G, L):
+        """Ticket i -> (phase 0 amax | 1 quantize, scale group, tile). Order: amax of groups 0..L-1,
+        then blocks [amax of g+L, quantize of g], then the last L quantizes; so every quantize
+        ticket comes after all amax tickets of its group, and the next group's amax pass runs while
+        this group's tiles are still in L2."""
+        head = L * T
+        mid = 2 * T * (G - L)
+        j = tl.maximum(i - head, 0)
+        b = j // (2 * T)
+        r = j % (2 * T)
+        j2 = tl.maximum(j - mid, 0)
+        in_head = i < head
+        in_mid = j < mid
+        phase = tl.where(in_head, 0, tl.where(in_mid, (r >= T).to(tl.int32), 1))
+        g = tl.where(in_head, i // T, tl.where(in_mid, tl.where(r >= T, b, b + L), G - L + j2 // T))
+        t = tl.where(in_head, i % T, tl.where(in_mid, r % T, j2 % T))
+        return phase, g, t
+
+    @triton.jit
+    def _grouped_kernel(tab_ptr, q_ptr, s_ptr, dqw_ptr, sdec_ptr, amax_ptr, bad_ptr, sync_ptr,
+                        R, K, G, LAG,
+                        GROUP: tl.constexpr, MODE: tl.constexpr, FAKE: tl.constexpr,
+                        IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """NVFP4 of G scale groups of GROUP matrices [R, K] each (pointer table `tab_ptr`), one
+        global scale per group, outputs stacked [G * GROUP, R, ...].
+
+        A program owns BLOCK_R rows (all K) of one group. MODE 1 computes the amax in the same
+        launch: programs take tickets in arrival order (`sync_ptr[0]`); an amax ticket adds its max
+        to `amax_ptr[g]` and counts itself in `sync_ptr[1 + g]`, a quantize ticket waits for that
+        count. A ticket only waits for smaller tickets, taken by programs already running, so the
+        grid cannot deadlock (and the CPU interpreter, running programs in order, never waits).
+        MODE 0: `amax_ptr` / `bad_ptr` are given; MODE 2: amax pass only. A group holding NaN/Inf
+        gets a NaN S_dec (`bad_ptr`), so it decodes to NaN and never to finite garbage."""
+        NB: tl.constexpr = BLOCK_K // 16
+        GR = GROUP * R
+        T = tl.cdiv(GR, BLOCK_R)
+        if MODE == 1:
+            phase, g, t = _grouped_ticket(tl.atomic_add(sync_ptr, 1), T, G, tl.minimum(LAG, G))
+        else:
+            pid = tl.program_id(0)
+            phase, g, t = 1 - MODE // 2, pid // T, pid % T
+        gr = t * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = gr < GR
+        mat = g * GROUP + gr // R
+        base = tl.load(tab_ptr + mat, mask=rmask, other=0)                    # byte addresses
+        WORD_BYTES: tl.constexpr = 8 if IN_KIND == 2 else 4
+        row_addr = base + (gr % R).to(tl.int64) * (K // 2) * WORD_BYTES
+        if IN_KIND == 2:
+            rows_ptr = row_addr.to(tl.pointer_type(tl.int64))
+        else:
+            rows_ptr = row_addr.to(tl.pointer_type(tl.int32))
+        out_row = (g * GR + gr).to(tl.int64)
+        cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        if phase == 0:
+            m = tl.zeros((BLOCK_R, NB, 8), tl.float32)
+            nonfinite = tl.zeros((BLOCK_R, NB, 8), tl.int32)
+            for k0 in range(0, K // 2, BLOCK_K // 2):
+                mask = rmask[:, None, None] & (k0 + cols < K // 2)
+                lo, hi = load_pairs(rows_ptr[:, None, None] + k0 + cols, mask, IN_KIND)
+                a_lo = tl.abs(lo)
+                a_hi = tl.abs(hi)
+                m = tl.maximum(m, tl.maximum(a_lo, a_hi))
+                ok = (a_lo <= 3.4028234663852886e38) & (a_hi <= 3.4028234663852886e38)
+                nonfinite = tl.maximum(nonfinite, tl.where(ok, 0, 1))
+            tl.atomic_max(amax_ptr + g, tl.max(tl.max(tl.max(m, axis=2), axis=1), axis=0))
+            tl.atomic_max(bad_ptr + g, tl.max(tl.max(tl.max(nonfinite, axis=2), axis=1), axis=0))
+            if MODE == 1:
+                tl.atomic_add(sync_ptr + 1 + g, 1, sem="release")
+        else:
+            if MODE == 1:
+                n = tl.atomic_add(sync_ptr + 1 + g, 0, sem="acquire")
+                while n < T:
+                    n = tl.atomic_add(sync_ptr + 1 + g, 0, sem="acquire")
+            amax = tl.atomic_max(amax_ptr + g, 0.0)                              # a coherent read
+            bad = tl.atomic_max(bad_ptr + g, 0)
+            s_enc, s_dec = global_scales(amax)
+            s_out = tl.where((bad > 0) | (amax != amax), float("nan"), s_dec)
+            if t == 0:
+                tl.store(sdec_ptr + g, s_out)
+            for k0 in range(0, K // 2, BLOCK_K // 2):
+                mask = rmask[:, None, None] & (k0 + cols < K // 2)
+                lo, hi = load_pairs(rows_ptr[:, None, None] + k0 + cols, mask, IN_KIND)
+                packed, sf_bits, sf_val, v_lo, v_hi = quantize_pairs(lo, hi, s_enc, s_dec)
+                woffs = out_row[:, None, None] * (K // 2) + k0 + cols
+                if FAKE:
+                    sf = sf_val[:, :, None]
+                    store_pairs(dqw_ptr + woffs, v_lo * sf * s_out, v_hi * sf * s_out, mask, IN_KIND)
+                else:
+                    tl.store(q_ptr + woffs, packed, mask=mask)
+                    blocks = k0 // 8 + tl.arange(0, NB)[None, :]
+                    tl.store(s_ptr + out_row[:, None] * (K // 16) + blocks, sf_bits,
+                             mask=rmask[:, None] & (blocks < K // 16))
 
 
 if triton is not None:
@@ -283,10 +428,24 @@ def _tile(k: int, tile, default) -> tuple:
     return t["block_r"], min(block_k, max(16, triton.next_power_of_2(k))), t["num_warps"]
 
 
+_WORDS = {torch.bfloat16: (torch.int32, 0), torch.float16: (torch.int32, 1),
+          torch.float32: (torch.int64, 2)}
+
+
+def _words(x: torch.Tensor) -> tuple:
+    """(x viewed as words of two elements, the kernels' IN_KIND) for a contiguous float tensor."""
+    if x.dtype not in _WORDS:
+        raise TypeError(f"NVFP4 kernels take bfloat16, float16 or float32 tensors, got {x.dtype}")
+    word, kind = _WORDS[x.dtype]
+    if x.storage_offset() % 2:  # a word view needs an even element offset
+        x = x.clone()
+    return x.view(word), kind
+
+
 def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, tile=None) -> tuple:
     """Triton NVFP4 1x16 quantization of `x` given its global scales: (data, scale)."""
     _require_triton()
-    x = x.contiguous()
+    xw, kind = _words(x.contiguous())
     rows, k = _launch_shape(x.shape)
     senc, per_row = _scale_layout(s_enc, rows, tuple(x.shape[:-1]))
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
@@ -294,8 +453,8 @@ def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, tile=Non
     scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
     block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
-    _quantize_kernel[grid](x, data, scale, data, senc, sdec, rows, k, PER_ROW=per_row,
-                           FAKE=False, OUT_BF16=False, BLOCK_R=block_r, BLOCK_K=block_k,
+    _quantize_kernel[grid](xw, data, scale, xw, senc, sdec, rows, k, PER_ROW=per_row,
+                           FAKE=False, IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k,
                            num_warps=warps)
     return data, scale.view(torch.float8_e4m3fn)
 
@@ -304,17 +463,17 @@ def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
                   tile=None) -> torch.Tensor:
     """One pass x -> dequantize(quantize(x)) in x's dtype (no packed intermediate)."""
     _require_triton()
-    x = x.contiguous()
+    xw, kind = _words(x.contiguous())
     rows, k = _launch_shape(x.shape)
     senc, per_row = _scale_layout(s_enc, rows, tuple(x.shape[:-1]))
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
-    bf16 = x.dtype == torch.bfloat16
-    out = torch.empty(x.shape, dtype=torch.uint16 if bf16 else x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ow, _ = _words(out)
     block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
-    _quantize_kernel[grid](x, out, out, out, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
-                           OUT_BF16=bf16, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
-    return out.view(torch.bfloat16) if bf16 else out
+    _quantize_kernel[grid](xw, ow, ow, ow, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
+                           IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+    return out
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
@@ -334,3 +493,71 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     _dequantize_kernel[grid](data, scale, sdec, out, rows, k, PER_ROW=per_row, OUT_BF16=bf16,
                              BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
     return out.view(torch.bfloat16) if bf16 else out
+
+
+GROUPED_TILE = {"block_r": 8, "block_k": 512, "num_warps": 4, "lag": 1}
+"""Launch shape of the grouped kernel: rows per program, K per inner step, warps, and how many
+scale groups' amax passes run ahead of the quantize passes (docs/benchmarks.md)."""
+
+AMAX_FUSED, AMAX_GIVEN, AMAX_ONLY = 1, 0, 2
+
+
+def pointer_table(mats) -> tuple:
+    """(int64 device tensor of base byte addresses, M, R, K, dtype, device) of M matrices [R, K]:
+    a list of contiguous 2-D tensors of one shape and dtype, or a contiguous 3-D tensor."""
+    if isinstance(mats, torch.Tensor):
+        m, r, k = mats.shape
+        step = r * k * mats.element_size()
+        table = mats.data_ptr() + step * torch.arange(m, device=mats.device, dtype=torch.int64)
+        return table, m, r, k, mats.dtype, mats.device
+    first = mats[0]
+    table = torch.tensor([t.data_ptr() for t in mats], dtype=torch.int64)
+    if first.is_cuda:
+        table = table.pin_memory().to(first.device, non_blocking=True)
+    return table, len(mats), first.shape[0], first.shape[1], first.dtype, first.device
+
+
+def grouped(mats, group: int, *, mode: int, fake: bool, amax=None, bad=None, out=None,
+            tile=None):
+    """The grouped NVFP4 kernel over M = G * group matrices (see `_grouped_kernel`), one launch.
+
+    mode AMAX_FUSED: amax computed in the launch; AMAX_GIVEN: `amax` / `bad` ([G] fp32 / int32);
+    AMAX_ONLY: returns (amax, bad). Otherwise returns the fake-quantized [M, R, K] tensor (fake) or
+    (data uint8 [M, R, K/2], scale e4m3 [M, R, K/16], S_dec [G]); `out` gives those buffers."""
+    _require_triton()
+    table, m, r, k, dtype, device = pointer_table(mats)
+    if m % group:
+        raise ValueError(f"grouped NVFP4: {m} matrices do not split into scale groups of {group}")
+    g = m // group
+    kind = _WORDS[dtype][1]
+    t = dict(GROUPED_TILE, **(tile or {}))
+    block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
+    ws = torch.zeros(1 + 3 * g, dtype=torch.int32, device=device)
+    sync, bad_ws, amax_ws = ws[:1 + g], ws[1 + g:1 + 2 * g], ws[1 + 2 * g:].view(torch.float32)
+    if mode == AMAX_GIVEN:
+        amax_ws.copy_(amax.reshape(g))
+        if bad is not None:
+            bad_ws.copy_(bad.reshape(g))
+    if mode == AMAX_ONLY:
+        q = s = dq = sdec = amax_ws
+    elif fake:
+        dq_t = out if out is not None else torch.empty((m, r, k), dtype=dtype, device=device)
+        dq = _words(dq_t)[0]
+        q = s = dq
+        sdec = torch.empty(g, dtype=torch.float32, device=device)
+    else:
+        data, scale, sdec = out if out is not None else (
+            torch.empty((m, r, k // 2), dtype=torch.uint8, device=device),
+            torch.empty((m, r, k // 16), dtype=torch.uint8, device=device),
+            torch.empty(g, dtype=torch.float32, device=device))
+        q, s, dq = data, scale.view(torch.uint8), data
+    tiles = triton.cdiv(group * r, t["block_r"]) * g
+    grid = (2 * tiles if mode == AMAX_FUSED else tiles,)
+    _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, sync, r, k, g, t["lag"],
+                          GROUP=group, MODE=mode, FAKE=fake, IN_KIND=kind, BLOCK_R=t["block_r"],
+                          BLOCK_K=block_k, num_warps=t["num_warps"])
+    if mode == AMAX_ONLY:
+        return amax_ws, bad_ws
+    if fake:
+        return dq_t, sdec
+    return data, scale.view(torch.float8_e4m3fn), sdec
