@@ -1,0 +1,169 @@
+"""Grouped NVFP4: quantize or fake-quantize many equal-shape matrices (a layer's experts) in one launch.
+
+``mats`` is a contiguous ``[M, R, K]`` tensor or a list of M contiguous ``[R, K]`` tensors (the
+per-expert weights of a Megatron ``SequentialMLP``, or gate/up/down from a weight stream, with no
+copy into a stack). Consecutive runs of ``scale_group`` matrices share one global scale (gate and
+up of one expert: 2; one expert's ``[gate; up]`` fc1 or its down projection: 1), so the results are
+bit-identical to ``core.quantize(x, amax=shared amax)`` per group. The amax is computed inside the
+launch unless given (a TP-sharded weight's amax is all-reduced first: ``amax_grouped`` then
+``amax=``). No host sync: a group holding NaN/Inf gets a NaN global scale (the group then decodes
+to NaN, never to finite garbage); callers that must refuse it check the scales once, later.
+Backends as everywhere (``resolve_backend``): the Triton kernel, or the torch reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from quads_megatron.errors import InputError
+
+from .backend import resolve_backend
+from .core import dequantize_reference, global_encode_scale, quantize_reference
+from .format import BLOCK_SIZE
+from .tensor import NVFP4Tensor
+
+Mats = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+__all__ = ["amax_grouped", "fake_quantize_grouped", "quantize_grouped"]
+
+
+def _check(mats: Mats, scale_group: int, name: str) -> tuple:
+    """(M, R, K, dtype, device) of valid grouped input; InputError naming what is wrong."""
+    if isinstance(mats, torch.Tensor):
+        if mats.ndim != 3:
+            raise InputError(f"{name}: expected [M, R, K] matrices, got shape {tuple(mats.shape)}")
+        if not mats.is_contiguous():
+            raise InputError(f"{name}: the [M, R, K] tensor must be contiguous")
+        m, r, k = mats.shape
+        first = mats
+    else:
+        mats = list(mats)
+        if not mats:
+            raise InputError(f"{name}: no matrices given")
+        first = mats[0]
+        for i, t in enumerate(mats):
+            if not isinstance(t, torch.Tensor) or t.ndim != 2:
+                raise InputError(f"{name}[{i}]: expected a 2-D tensor, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+                raise InputError(f"{name}[{i}]: {t.dtype} {tuple(t.shape)} on {t.device}; every matrix must "
+                                 f"match {name}[0] ({first.dtype} {tuple(first.shape)} on {first.device})")
+            if not t.is_contiguous():
+                raise InputError(f"{name}[{i}]: must be contiguous")
+        m, (r, k) = len(mats), first.shape
+    if first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InputError(f"{name}: expected float32, bfloat16 or float16 matrices, got {first.dtype}")
+    if k % BLOCK_SIZE or r == 0:
+        raise InputError(f"{name}: K = {k} must be a positive multiple of {BLOCK_SIZE} (NVFP4 blocks), "
+                         f"R = {r} positive")
+    if scale_group < 1 or m % scale_group:
+        raise InputError(f"{name}: {m} matrices do not split into scale groups of {scale_group}")
+    return m, r, k, first.dtype, first.device
+
+
+def _stacked(mats: Mats, groups: int) -> torch.Tensor:
+    x = mats if isinstance(mats, torch.Tensor) else torch.stack(list(mats))
+    return x.reshape(groups, -1, x.shape[-1])                               # [G, group * R, K]
+
+
+def _torch_amax(x: torch.Tensor) -> tuple:
+    finite = torch.isfinite(x).flatten(1).all(dim=1)
+    return x.abs().flatten(1).amax(dim=1).to(torch.float32), (~finite).to(torch.int32)
+
+
+def _triton():
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def amax_grouped(mats: Mats, *, scale_group: int = 1, backend: Optional[str] = None,
+                 name: str = "weights") -> Tuple[torch.Tensor, torch.Tensor]:
+    """(amax fp32 [G], nonfinite int32 [G]) of each scale group, one read of the data."""
+    m, r, k, _, device = _check(mats, scale_group, name)
+    if resolve_backend(device, backend) == "triton":
+        tk = _triton()
+        return tk.grouped(mats, scale_group, mode=tk.AMAX_ONLY, fake=False)
+    return _torch_amax(_stacked(mats, m // scale_group))
+
+
+def _given(amax, nonfinite, groups: int, device) -> tuple:
+    amax = torch.as_tensor(amax, dtype=torch.float32, device=device).reshape(-1)
+    if amax.numel() != groups:
+        raise InputError(f"amax: expected {groups} values (one per scale group), got {amax.numel()}")
+    bad = (torch.zeros(groups, dtype=torch.int32, device=device) if nonfinite is None
+           else torch.as_tensor(nonfinite, device=device).reshape(groups).to(torch.int32))
+    return amax, bad
+
+
+def _torch_scales(x, amax, nonfinite):
+    """(S_enc [G,1,1], S_dec [G,1,1], S_dec with NaN for non-finite groups [G])."""
+    if amax is None:
+        amax, nonfinite = _torch_amax(x)
+    s_enc = global_encode_scale(amax).view(-1, 1, 1)
+    s_dec = torch.div(1.0, s_enc)
+    poisoned = torch.where((nonfinite > 0) | torch.isnan(amax), torch.full_like(amax, float("nan")),
+                           s_dec.view(-1))
+    return s_enc, s_dec, poisoned
+
+
+def quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=None,
+                     out: Optional[tuple] = None, backend: Optional[str] = None,
+                     name: str = "weights") -> NVFP4Tensor:
+    """NVFP4 of M matrices: an ``[M, R, K]`` NVFP4Tensor with one global scale per matrix (``[M, 1, 1]``,
+    equal within a scale group).
+
+    amax / nonfinite: given per-group amax ([G], e.g. all-reduced over TP) and NaN/Inf flags.
+    out: (data uint8 [M, R, K/2], scale e4m3 [M, R, K/16], S_dec fp32 [G]) to write in place (a rollout
+    engine's weight buffers); the result's fields are views of them.
+    """
+    m, r, k, _, device = _check(mats, scale_group, name)
+    groups = m // scale_group
+    given = amax is not None
+    if given:
+        amax, nonfinite = _given(amax, nonfinite, groups, device)
+    if resolve_backend(device, backend) == "triton":
+        tk = _triton()
+        mode = tk.AMAX_GIVEN if given else tk.AMAX_FUSED
+        data, scale, s_dec = tk.grouped(mats, scale_group, mode=mode, fake=False, amax=amax, bad=nonfinite,
+                                        out=out)
+    else:
+        x = _stacked(mats, groups)
+        s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
+        d, sc = quantize_reference(x, s_enc, s_dec3)
+        d, sc = d.view(m, r, k // 2), sc.view(m, r, k // BLOCK_SIZE)
+        if out is None:
+            data, scale = d, sc
+        else:
+            data, scale, s_out = out
+            data.copy_(d)
+            scale.copy_(sc)
+            s_out.copy_(s_dec)
+            s_dec = s_out
+    per_matrix = s_dec.repeat_interleave(scale_group).view(m, 1, 1)
+    return NVFP4Tensor._trusted(data, scale, per_matrix, torch.Size((m, r, k)), (1, BLOCK_SIZE))
+
+
+def fake_quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=None,
+                          out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                          name: str = "weights") -> torch.Tensor:
+    """dequantize(quantize(.)) of M matrices as one ``[M, R, K]`` tensor in their dtype (no gradient:
+    the trainer's straight-through wrapper owns that). out: the [M, R, K] buffer to fill."""
+    m, r, k, dtype, device = _check(mats, scale_group, name)
+    groups = m // scale_group
+    given = amax is not None
+    if given:
+        amax, nonfinite = _given(amax, nonfinite, groups, device)
+    if resolve_backend(device, backend) == "triton":
+        tk = _triton()
+        mode = tk.AMAX_GIVEN if given else tk.AMAX_FUSED
+        return tk.grouped(mats, scale_group, mode=mode, fake=True, amax=amax, bad=nonfinite, out=out)[0]
+    x = _stacked(mats, groups)
+    s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
+    d, sc = quantize_reference(x, s_enc, s_dec3)
+    y = dequantize_reference(d, sc, s_dec.view(-1, 1, 1), dtype).view(m, r, k)
+    if out is None:
+        return y
+    return out.copy_(y)
