@@ -26,7 +26,7 @@ import types
 
 import torch
 
-from quads_megatron.megatron.fake_quant import WeightFakeQuant, fake_quantize_activation
+from quads_megatron.megatron.fake_quant import ExpertsFakeQuant, WeightFakeQuant, fake_quantize_activation
 from quads_megatron.plan import EXPERT_TENSOR_PARALLEL, QuantPlan
 from quads_megatron.recipe import QuadsRecipe
 
@@ -119,8 +119,9 @@ def _candidates(layer, layer_name):
     if isinstance(experts, SequentialMLP):
         for i, expert in enumerate(experts.local_experts):
             for fc, k_sharded in (("linear_fc1", False), ("linear_fc2", True)):
-                out.append((f"{prefix}.local_experts.{i}.{fc}", getattr(expert, fc), "linear",
-                            [names(fc)[i]], k_sharded))
+                siblings = [getattr(e, fc) for e in experts.local_experts]
+                out.append((f"{prefix}.local_experts.{i}.{fc}", getattr(expert, fc),
+                            ("expert", f"{prefix}.local_experts.*.{fc}", i, siblings), [names(fc)[i]], k_sharded))
     elif isinstance(experts, GroupedMLP):
         out.append((prefix, experts, "grouped", names("linear_fc1") + names("linear_fc2"), False))
     elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):
@@ -179,6 +180,7 @@ class QuadsConverter:
             raise RuntimeError("apply_quads: this model is already converted")
         plan = plan_for_model(gpt, self.recipe)
         targets = {}
+        self._shared = {}  # one ExpertsFakeQuant per (layer, fc) of a SequentialMLP
         for layer_name, layer in gpt.named_modules():
             if not isinstance(layer, TransformerLayer):
                 continue
@@ -216,7 +218,14 @@ class QuadsConverter:
         group = _group_of(module, tensor_plan.reduce_group)
         opts = dict(block_shape=tensor_plan.block_shape, group=group, backend=recipe.backend,
                     cache=recipe.cache_weights)
-        if kind == "linear":
+        # nvfp4's grouped kernel serves 1x16 blocks with a per-step cache (TE quantizes per weight)
+        one_launch = tuple(tensor_plan.block_shape) == (1, 16) and recipe.cache_weights and recipe.backend != "te"
+        if isinstance(kind, tuple) and one_launch:
+            _, key, index, siblings = kind  # all local experts of this fc: one launch per refresh
+            if key not in self._shared:
+                self._shared[key] = ExpertsFakeQuant(key, [m.weight for m in siblings], group=group)
+            weights = {"weight": self._shared[key].expert(index)}
+        elif kind == "linear" or isinstance(kind, tuple):
             weights = {"weight": WeightFakeQuant(name, module.weight, **opts)}
         elif kind == "grouped":
             n = module.num_local_experts
@@ -225,8 +234,12 @@ class QuadsConverter:
                        "weight2": WeightFakeQuant(f"{name}.weight2", module.weight2,
                                                   layout="grouped_fc2", num_experts=n, **opts)}
         else:  # te_grouped: one weight{i} per local expert
-            weights = {p: WeightFakeQuant(f"{name}.{p}", w, **opts)
-                       for p, w in module.named_parameters(recurse=False) if p.startswith("weight")}
+            params = [(p, w) for p, w in module.named_parameters(recurse=False) if p.startswith("weight")]
+            if one_launch:
+                shared = ExpertsFakeQuant(name, [w for _, w in params], group=group)
+                weights = {p: shared.expert(i) for i, (p, _) in enumerate(params)}
+            else:
+                weights = {p: WeightFakeQuant(f"{name}.{p}", w, **opts) for p, w in params}
         target = QuadsTarget(name, module, weights, group, quantize_input,
                              tensor_plan.activation_scaling.value, k_sharded)
         module._quads = target

@@ -117,6 +117,8 @@ class WeightFakeQuant:
             mats = rows if rows.ndim == 3 else rows.unsqueeze(0)
             out = torch.stack([te_bridge.te_fake_quantize(m, self.block_shape, group) for m in mats])
             out = out if rows.ndim == 3 else out[0]
+        elif rows.ndim == 3 and self.block_shape == (1, 16):  # an expert stack: one launch
+            out = grouped_fake_quantize(rows.contiguous(), self.group)
         else:
             out = nvfp4.fake_quantize(rows, block_shape=self.block_shape,
                                       amax=self.global_amax(weight), check_finite=False)
@@ -137,6 +139,81 @@ class WeightFakeQuant:
 
     def invalidate(self):
         self._key, self._value = None, None
+
+
+def grouped_fake_quantize(mats, group, out=None) -> torch.Tensor:
+    """Fake-quantized [E, N, K] of E expert matrices (a stack or a list), one global scale each.
+
+    One launch with the amax inside it; with a (expert-)TP group of several ranks the per-expert amax
+    (and NaN/Inf flags) are MAX-reduced first, so every rank uses the full weight's scale."""
+    if group_size(group) <= 1:
+        return nvfp4.fake_quantize_grouped(mats, out=out)
+    amax, bad = nvfp4.amax_grouped(mats)
+    both = all_reduce_max(torch.cat([amax, bad.to(torch.float32)]), group)
+    n = amax.numel()
+    return nvfp4.fake_quantize_grouped(mats, amax=both[:n], nonfinite=both[n:] > 0, out=out)
+
+
+class ExpertsFakeQuant:
+    """One per-step cache for the same weight of all local experts of a layer (fc1 or fc2 of a Megatron
+    ``SequentialMLP`` / TE ``GroupedLinear``), refreshed for all experts in one launch.
+
+    The weights stay separate Parameters (read through a pointer table, no stacking copy); the cache is
+    one [E, N, K] tensor and ``expert(i)`` is what expert i's module reads. The first expert whose
+    master weight changed (``_version`` / ``data_ptr``, or ``invalidate()`` after an optimizer step)
+    refreshes them all.
+    """
+
+    def __init__(self, name, weights, *, group=None):
+        self.name, self.weights, self.group = name, list(weights), group
+        n, k = self.weights[0].shape
+        if k % 16:
+            raise ValueError(f"{name}: per-rank reduction dim K={k} (over {group_size(group)} rank(s) of its "
+                             f"tensor-parallel group) is not a multiple of 16 (NVFP4 blocks)")
+        self._keys, self._value = None, None
+
+    @staticmethod
+    def _key(w):
+        return (w._version, w.data_ptr(), w.dtype)
+
+    def refresh(self) -> torch.Tensor:
+        """Fake-quantize every expert now (one launch; no autograd, valid under inference_mode too)."""
+        with torch.inference_mode(False), torch.no_grad():
+            # a fresh buffer: the previous step's value may still be saved for a backward
+            self._value = grouped_fake_quantize([w.detach() for w in self.weights], self.group)
+        self._keys = [self._key(w) for w in self.weights]
+        return self._value
+
+    def value(self, i: int) -> torch.Tensor:
+        if self._keys is None or self._keys[i] != self._key(self.weights[i]):
+            self.refresh()
+        return self._value[i]
+
+    def invalidate(self):
+        self._keys = None
+
+    def expert(self, i: int) -> "ExpertFakeQuant":
+        return ExpertFakeQuant(self, i)
+
+
+class ExpertFakeQuant:
+    """Expert i's view of an ``ExpertsFakeQuant``: the ``WeightFakeQuant`` interface for one weight."""
+
+    def __init__(self, shared: ExpertsFakeQuant, index: int):
+        self.shared, self.index = shared, index
+        self.name = f"{shared.name}[{index}]"
+
+    def value(self, weight) -> torch.Tensor:
+        return self.shared.value(self.index)
+
+    def compute(self, weight) -> torch.Tensor:
+        return self.shared.refresh()[self.index]
+
+    def __call__(self, weight) -> torch.Tensor:
+        return _StraightThrough.apply(weight, self.value(weight))
+
+    def invalidate(self):
+        self.shared.invalidate()
 
 
 def fake_quantize_activation(x: torch.Tensor, scaling: str, group=None,
