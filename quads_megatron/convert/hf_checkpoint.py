@@ -208,7 +208,10 @@ class ShardedSafetensorsWriter:
             return
         if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._buffer[name] = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu").contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view of a larger buffer (a grouped quantize's output): safetensors stores tensors alone
+        self._buffer[name] = t
         self._buffer_bytes += nbytes
 
     def _flush(self) -> None:

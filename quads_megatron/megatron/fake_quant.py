@@ -200,8 +200,12 @@ class ExpertFakeQuant:
     """Expert i's view of an ``ExpertsFakeQuant``: the ``WeightFakeQuant`` interface for one weight."""
 
     def __init__(self, shared: ExpertsFakeQuant, index: int):
-        self.shared, self.index = shared, index
+        self.shared, self.index, self.group = shared, index, shared.group
         self.name = f"{shared.name}[{index}]"
+
+    def global_amax(self, weight) -> torch.Tensor:
+        """This expert's amax MAX-reduced over its (expert-)TP group: what its global scale comes from."""
+        return all_reduce_max(nvfp4.amax_of(weight.detach()).contiguous(), self.group)
 
     def value(self, weight) -> torch.Tensor:
         return self.shared.value(self.index)

@@ -7,16 +7,19 @@ checkpoint export, the SGLang weight sync and the local engine (as slime's
 Weights of one scale group (gate+up of an expert, q+k+v of a layer) are buffered until all
 of them arrived and quantized with one shared global scale, as the trainer's fake
 quantization of the fused Megatron weight does, so ``dequantize`` of the output equals the
-trainer's forward weight bit for bit.
+trainer's forward weight bit for bit. A layer's routed experts are quantized together, in one
+grouped launch per projection (``nvfp4.quantize_grouped``), optionally straight into a rollout
+engine's weight buffers.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
 from quads_megatron import nvfp4
+from quads_megatron.errors import NonFiniteError
 from quads_megatron.plan.quant_plan import QuantPlan
 
 Named = Tuple[str, torch.Tensor]
@@ -31,15 +34,73 @@ def _quantize_group(names: List[str], tensors: List[torch.Tensor], block_shape) 
         raise ValueError(f"{', '.join(names)}: cannot quantize to NVFP4: {e}") from None
 
 
-def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan
-                          ) -> Iterator[Tuple[List[str], List[torch.Tensor], list]]:
-    """Yield ``(names, tensors, NVFP4Tensors or None)`` in arrival order of each group's last member.
+Destination = Callable[[int, Tuple[str, ...], List[int]], Optional[tuple]]
+"""``destination(layer, role, experts)``: where a layer's grouped expert weights go, or None.
 
-    ``None`` marks tensors the rollout keeps in high precision (one name per such entry).
-    Raises ValueError naming the missing weights when the stream ends inside a scale group.
+role is the projections of one scale group (``("gate_proj", "up_proj")`` or ``("down_proj",)``),
+experts the expert indices in order; the answer is ``quantize_grouped``'s ``out`` (data, scale,
+S_dec buffers of a rollout engine, written in place)."""
+
+
+class _ExpertBatch:
+    """The complete expert scale groups of one layer and role, waiting to be quantized in one launch."""
+
+    def __init__(self, layer: int, role: Tuple[str, ...]):
+        self.layer, self.role, self.groups = layer, role, []   # [(expert, names, tensors)]
+
+    def quantize(self, destination: Optional[Destination]) -> list:
+        self.groups.sort(key=lambda g: g[0])
+        mats = [t for _, _, ts in self.groups for t in ts]
+        first = mats[0]
+        if any((t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device) for t in mats):
+            return [(ns, ts, _quantize_group(ns, ts, (1, 16))) for _, ns, ts in self.groups]
+        experts = [e for e, _, _ in self.groups]
+        out = destination(self.layer, self.role, experts) if destination is not None else None
+        names = [n for _, ns, _ in self.groups for n in ns]
+        mats = [t.contiguous() for t in mats]
+        q = nvfp4.quantize_grouped(mats, scale_group=len(self.role), out=out,
+                                   name=f"model.layers.{self.layer} experts {'+'.join(self.role)}")
+        n = len(self.role)
+        result = []
+        for i, (_, ns, ts) in enumerate(self.groups):
+            parts = [nvfp4.NVFP4Tensor._trusted(q.data[j], q.scale[j], q.global_scale[j].reshape(()),
+                                                ts[j - i * n].shape, (1, 16))
+                     for j in range(i * n, (i + 1) * n)]
+            result.append((ns, ts, parts))
+        self.scales, self.names = q.global_scale.view(-1), names
+        return result
+
+
+def _layer_of(name: str) -> Optional[int]:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+
+
+def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
+                          destination: Optional[Destination] = None, check_finite: bool = True
+                          ) -> Iterator[Tuple[List[str], List[torch.Tensor], list]]:
+    """Yield ``(names, tensors, NVFP4Tensors or None)`` for every scale group of the stream.
+
+    ``None`` marks tensors the rollout keeps in high precision (one name per such entry). Routed
+    experts (1x16 blocks) are collected per layer and projection and quantized in one grouped launch
+    when the stream leaves that layer (into ``destination``'s buffers when it gives them); everything
+    else comes out in arrival order of each group's last member. check_finite: NaN/Inf in a weight is a
+    NonFiniteError naming it; for the experts that is checked once, from their scales, at the end of
+    the stream (one host sync, not one per tensor). Raises ValueError naming the missing weights when
+    the stream ends inside a scale group.
     """
-    pending = {}
+    pending, batches, done = {}, {}, []
+
+    def flush():
+        for b in batches.values():
+            yield from b.quantize(destination)
+            done.append(b)
+        batches.clear()
+
     for name, tensor in named_tensors:
+        layer = _layer_of(name)
+        if batches and any(key[0] != layer for key in batches):
+            yield from flush()
         t = plan[name]
         if t is None or not t.quantized:
             yield [name], [tensor], None
@@ -48,15 +109,33 @@ def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan
         if name in group:
             raise ValueError(f"{name}: received twice inside one scale group {list(t.scale_group)}")
         group[name] = tensor
-        if len(group) == len(t.scale_group):
-            del pending[t.scale_group]
-            names = list(t.scale_group)
-            tensors = [group[n] for n in names]
-            yield names, tensors, _quantize_group(names, tensors, t.block_shape)
+        if len(group) < len(t.scale_group):
+            continue
+        del pending[t.scale_group]
+        names = list(t.scale_group)
+        tensors = [group[n] for n in names]
+        if t.expert is not None and tuple(t.block_shape) == (1, 16):
+            role = tuple(n.split(".")[-2] for n in names)
+            batches.setdefault((t.layer, role), _ExpertBatch(t.layer, role)).groups.append((t.expert, names, tensors))
+            continue
+        yield names, tensors, _quantize_group(names, tensors, t.block_shape)
+    yield from flush()
     if pending:
         missing = sorted(n for g, got in pending.items() for n in g if n not in got)
         raise ValueError(f"quantize_named_params: the stream ended without {missing[:6]} "
                          f"({len(missing)} weights), whose scale-group partners arrived")
+    if check_finite and done:
+        _check_scales(done)
+
+
+def _check_scales(batches) -> None:
+    """NonFiniteError naming the first weight whose grouped quantization found NaN/Inf (one sync)."""
+    bad = torch.cat([torch.isnan(b.scales).to("cpu") for b in batches])
+    if bool(bad.any()):
+        names = [n for b in batches for n in b.names]
+        first = names[int(torch.nonzero(bad)[0])]
+        raise NonFiniteError(f"{first}: contains NaN or Inf ({int(bad.sum())} expert weights affected); "
+                             f"NVFP4 can only encode finite values")
 
 
 def modelopt_names(weight_name: str) -> List[str]:
