@@ -56,6 +56,8 @@ class _ExpertBatch:
             return [(ns, ts, _quantize_group(ns, ts, (1, 16))) for _, ns, ts in self.groups]
         experts = [e for e, _, _ in self.groups]
         out = destination(self.layer, self.role, experts) if destination is not None else None
+        if out is not None and out[0].device != first.device:
+            out = None  # the engine's buffers live elsewhere: quantize here, the caller copies
         names = [n for _, ns, _ in self.groups for n in ns]
         mats = [t.contiguous() for t in mats]
         q = nvfp4.quantize_grouped(mats, scale_group=len(self.role), out=out,

@@ -84,9 +84,19 @@ class LocalEngine(RolloutEngine):
             for m in self.nvfp4_modules.values():
                 m.meter = _ErrorMeter()
         seen = set()
-        for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan):
+        buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+
+        def destination(layer, role, experts):
+            """The experts' NVFP4 buffers of this layer, for the grouped kernel to write (no copy)."""
+            m = self.nvfp4_modules.get(f"model.layers.{layer}.mlp.experts")
+            return m.grouped_buffers(role, experts) if hasattr(m, "grouped_buffers") else None
+
+        for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan, destination=destination):
             for i, (name, t) in enumerate(zip(names, tensors)):
-                if quantized is not None:
+                if quantized is not None and quantized[i].data.untyped_storage().data_ptr() in buffers:
+                    if measure_error:
+                        load_quantized(self.nvfp4_modules, name, t, quantized[i], measure_error, store=False)
+                elif quantized is not None:
                     load_quantized(self.nvfp4_modules, name, t, quantized[i].to(self.device), measure_error)
                 else:
                     dst = self._destination(params, name)

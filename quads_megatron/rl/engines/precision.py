@@ -174,6 +174,18 @@ class NVFP4Experts(_QuantExperts):
         self.w13_scale[expert, rows].copy_(t["weight_scale"])
         self.w13_scale_2[expert].copy_(t["weight_scale_2"].reshape(()))  # gate and up share it
 
+    def grouped_buffers(self, role: tuple, experts: list):
+        """(data, scale, S_dec) views that ``nvfp4.quantize_grouped`` fills for all experts in place:
+        w13 as [2E, F, H/2] for role (gate_proj, up_proj), w2 for (down_proj,); None for a partial set."""
+        if experts != list(range(self.num_experts)):
+            return None
+        E, F, H = self.num_experts, self.ffn, self.hidden
+        if tuple(role) == ("gate_proj", "up_proj"):
+            return (self.w13.view(2 * E, F, H // 2), self.w13_scale.view(2 * E, F, H // 16), self.w13_scale_2)
+        if tuple(role) == ("down_proj",):
+            return self.w2, self.w2_scale, self.w2_scale_2
+        return None
+
     def dequantized(self, which: str) -> torch.Tensor:
         return _dequantize(getattr(self, which), getattr(self, f"{which}_scale"), getattr(self, f"{which}_scale_2"))
 
@@ -259,19 +271,24 @@ def install_nvfp4_modules(model: nn.Module, plan: QuantPlan) -> dict:
 
 
 def load_quantized(modules: dict, name: str, original: torch.Tensor, q: nvfp4.NVFP4Tensor,
-                   measure_error: bool = False) -> None:
-    """Route one HF weight's NVFP4 tensor to its module (``install_nvfp4_modules``' dict)."""
+                   measure_error: bool = False, store: bool = True) -> None:
+    """Route one HF weight's NVFP4 tensor to its module (``install_nvfp4_modules``' dict).
+
+    store=False: the tensor is already in the module's buffers (written there by the grouped
+    kernel); only the error meter is updated."""
     module_name = name[: -len(".weight")]
     if module_name in modules:
         m = modules[module_name]
-        m.load(q)
+        if store:
+            m.load(q)
     else:
         prefix, expert, proj = module_name.rsplit(".", 2)
         m = modules.get(prefix)
         if m is None:
             raise KeyError(f"weight sync: {name} is NVFP4 in the plan but the rollout model has no "
                            f"NVFP4 module for it")
-        m.load(proj, int(expert), q)
+        if store:
+            m.load(proj, int(expert), q)
     if measure_error:
         m.meter.add(original, q)
 
