@@ -1,0 +1,41 @@
+"""CPU smoke run of tools/bench_moe_layer.py (--device cpu --tiny): every variant runs, every check passes, JSON has the numbers.
+
+The speed numbers come from the H200 runs in docs/benchmarks.md; on CPU the kernels run in Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1) and nothing is graph-captured.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_moe_layer.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU (interpreter) path")
+def test_bench_moe_layer_tiny_cpu(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    rc = _tool().main(["--device", "cpu", "--tiny", "--tokens", "1", "6", "--iters", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0
+    assert data["meta"]["num_experts"] == 8 and data["meta"]["rac_channels"] == 16 and not data["meta"]["graphs"]
+    assert [r["tokens"] for r in data["rows"]] == [1, 6]
+    for r in data["rows"]:
+        assert set(r["ms"]) == {"bf16", "fp8", "w4a16", "w4a4", "w4a4_rac"}
+        assert all(isinstance(v, float) and v > 0 for v in r["ms"].values()), r["ms"]
+        for variant, cases in r["checks"].items():
+            for case, (err, tol) in cases.items():
+                assert err < tol, (variant, case, err, tol)
+        assert 1 <= r["experts_hit"] <= 8 and r["rac_weight_bytes"] > r["weight_bytes"] > 0
+    assert data["rows"][0]["experts_hit"] <= 2  # one token, top-2: some experts get no rows
+    table = capsys.readouterr().out
+    assert "| tokens | experts hit | BF16 ms | FP8 ms |" in table and "| 6 |" in table

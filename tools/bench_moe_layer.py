@@ -1,0 +1,416 @@
+"""Time one whole MoE layer (Qwen3-30B-A3B: 128 experts, hidden 2048, FFN 768, top-8) in BF16, FP8 and our NVFP4 modes.
+
+Issue 13's measurement: random routing (random router logits -> softmax -> top-k, renormalized,
+so at 16 tokens only ~81 of 128 experts are hit and some experts get no tokens), every variant
+captured in a CUDA graph, all in the same run:
+  bf16      a layer built from `torch._grouped_mm` (rows sorted by expert, SiLU(gate) * up, the
+            top-k weighted sum), the weights being our NVFP4 weights dequantized to BF16;
+  fp8       the same layer on `torch._scaled_grouped_mm` (e4m3, row-wise scales: one per
+            weight row per expert, one per activation row computed inside the layer);
+  w4a16 / w4a4 / w4a4_rac   `sglang_ext.kernels.w4a4_fused_moe` (RAC with k channels: one set
+            for fc1, one set per expert for fc2, as SGLang loads them).
+The timed region is the layer from (hidden states, top-k weights, top-k ids) to its output
+(routing sort included, router excluded). Before timing, each of our modes is checked against
+the torch reference (`sglang_ext.kernels.reference`) at the kernel tests' tolerances (bf16
+inputs, the timed case, and fp32 inputs: the fp32-accumulation level), and the bf16 / fp8 layers
+against a plain per-expert loop on the same operands. A failed check is reported in the table
+and the JSON, and the exit status is 1.
+
+Weight bandwidth: bytes of the experts the routing hits (packed codes + block scales, plus the
+RAC weight columns where the layer reads them) per layer time, against a device-to-device copy
+(read + written bytes per second) measured in the same run.
+
+    PYTHONPATH=. python3 tools/bench_moe_layer.py [--tokens 16 64 256 1024 4096] [--json out.json]
+    PYTHONPATH=. python3 tools/bench_moe_layer.py --device cpu --tiny   # CPU smoke run (interpreter)
+
+On CPU (--tiny) the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
+Triton is imported), nothing is graph-captured, and `torch._scaled_grouped_mm` (CUDA only) is
+replaced by the same per-group math in torch, so the smoke run covers the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+MODES = ("w4a16", "w4a4", "w4a4_rac")
+VARIANTS = ("bf16", "fp8") + MODES
+# tests/sglang_ext/kernels/test_w4a4_kernels.py::_check_moe: bf16 outputs, and fp32 outputs
+# (1.5 x FP32_TOL: the fp32-accumulation level)
+TOL = {torch.bfloat16: 8e-3, torch.float32: 3e-6}
+BASELINE_TOL = 8e-3  # bf16 / fp8 layers against the plain loop (a few bf16 roundings)
+FP8_MAX = 448.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-experts", type=int, default=128)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=768)
+    p.add_argument("--moe-router-topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    p.add_argument("--rac-channels", type=int, default=64, help="RAC channels k of fc1 and of fc2")
+    p.add_argument("--iters", type=int, default=50, help="timed graph replays per variant (median)")
+    p.add_argument("--reps", type=int, default=10, help="layer calls captured per graph")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes (8 experts, hidden 64, FFN 32, top-2, k 16, tokens 3)")
+    p.add_argument("--json", default=None, help="write every number here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.num_experts, args.hidden_size, args.moe_ffn_hidden_size = 8, 64, 32
+        args.moe_router_topk, args.rac_channels = 2, 16
+        if "--tokens" not in (argv if argv is not None else sys.argv[1:]):
+            args.tokens = [3]
+    return args
+
+
+# ---- operands ---------------------------------------------------------------------------
+class Experts(NamedTuple):
+    """One layer's expert weights in every form the variants read."""
+    w13: tuple  # NVFP4 (codes uint8 [E, 2F, H//2], e4m3 [E, 2F, H//16], scale_2 fp32 [E])
+    w2: tuple   # NVFP4 (codes [E, H, F//2], e4m3 [E, H, F//16], scale_2 [E])
+    c13: torch.Tensor  # RAC channels of fc1, int32 [k] (one set: all experts read the same x)
+    c2: torch.Tensor   # RAC channels of fc2, int32 [E, k] (one set per expert)
+    w13_bf16: torch.Tensor  # [E, 2F, H]: the NVFP4 weights dequantized (rounded to bf16)
+    w2_bf16: torch.Tensor   # [E, H, F]
+    w13_fp8: torch.Tensor   # e4m3 [E, 2F, H], row-wise scales w13_fp8_scale fp32 [E, 2F]
+    w13_fp8_scale: torch.Tensor
+    w2_fp8: torch.Tensor    # e4m3 [E, H, F], scales [E, H]
+    w2_fp8_scale: torch.Tensor
+
+
+def random_nvfp4(e: int, n: int, k: int, gen: torch.Generator, dev) -> tuple:
+    """Random NVFP4 weights: every E2M1 code, finite e4m3 block scales in [2^-3, 2^4], one scale_2 per expert."""
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(0x20, 0x60, (e, n, k // 16), dtype=torch.uint8, generator=gen)
+    scale_2 = torch.rand(e, generator=gen) * 1e-3 + 5e-4
+    return codes.to(dev), scale.view(torch.float8_e4m3fn).to(dev), scale_2.to(dev)
+
+
+def fp8_rows(v: torch.Tensor) -> tuple:
+    """e4m3 with one fp32 scale per row (amax / 448, as torch's row-wise FP8 recipes), over the last dim."""
+    scale = v.abs().amax(-1).float().clamp_min(1e-12) / FP8_MAX
+    q = (v.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def comp_channels(k_in: int, k: int, groups: Optional[int], gen: torch.Generator, dev) -> torch.Tensor:
+    """Sorted random RAC channel set(s): int32 [k], or [groups, k]."""
+    def one():
+        return torch.sort(torch.randperm(k_in, generator=gen)[:k]).values
+    t = one() if groups is None else torch.stack([one() for _ in range(groups)])
+    return t.to(torch.int32).to(dev)
+
+
+def build_experts(args, gen: torch.Generator, dev) -> Experts:
+    from sglang_ext.kernels.reference import dequantize_weight
+
+    e, h, f, k = args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.rac_channels
+    w13, w2 = random_nvfp4(e, 2 * f, h, gen, dev), random_nvfp4(e, h, f, gen, dev)
+    w13_bf16 = dequantize_weight(*w13, backend="torch").to(torch.bfloat16)
+    w2_bf16 = dequantize_weight(*w2, backend="torch").to(torch.bfloat16)
+    w13_fp8, w13_fp8_scale = fp8_rows(w13_bf16)
+    w2_fp8, w2_fp8_scale = fp8_rows(w2_bf16)
+    return Experts(w13, w2, comp_channels(h, k, None, gen, dev), comp_channels(f, k, e, gen, dev),
+                   w13_bf16, w2_bf16, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale)
+
+
+def random_routing(t: int, e: int, topk: int, gen: torch.Generator, dev) -> tuple:
+    """Random router logits -> softmax -> top-k, renormalized (Qwen3's norm_topk_prob): (weights fp32, ids int32)."""
+    probs = torch.randn(t, e, generator=gen).softmax(-1)
+    w, ids = torch.topk(probs, topk, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).to(dev), ids.to(torch.int32).to(dev)
+
+
+def activations(t: int, h: int, gen: torch.Generator, dev, dtype=torch.bfloat16) -> torch.Tensor:
+    """Hidden states with uneven channel scales (a few channels 10x larger)."""
+    x = torch.randn(t, h, generator=gen) * (0.5 + torch.rand(h, generator=gen))
+    x[:, :: max(1, h // 8)] *= 10.0
+    return x.to(dtype).to(dev)
+
+
+# ---- the BF16 and FP8 layers --------------------------------------------------------------
+def sort_by_expert(topk_ids: torch.Tensor, e: int) -> tuple:
+    """(order of the flat routed rows by expert, int32 group ends [E]) without host syncs (empty groups allowed)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(e, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return order, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor, t: int, topk: int) -> torch.Tensor:
+    """sum over each token's top-k rows of w * y (rows in expert order), in fp32, -> bf16 [T, H]."""
+    yw = y.float() * topk_weights.reshape(-1)[order].unsqueeze(-1).float()
+    out = torch.zeros(t, y.shape[-1], dtype=torch.float32, device=y.device)
+    return out.index_add_(0, order // topk, yw).to(torch.bfloat16)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def bf16_layer(x, topk_weights, topk_ids, w: Experts) -> torch.Tensor:
+    """MoE layer on torch._grouped_mm (BF16 in, fp32 accumulate, BF16 out)."""
+    t, topk = topk_ids.shape
+    order, offs = sort_by_expert(topk_ids, w.w13_bf16.shape[0])
+    a = x[order // topk]
+    gu = torch._grouped_mm(a, w.w13_bf16.transpose(1, 2), offs=offs)
+    h = silu_mul(gu).to(torch.bfloat16)
+    y = torch._grouped_mm(h, w.w2_bf16.transpose(1, 2), offs=offs)
+    return combine(y, order, topk_weights, t, topk)
+
+
+def scaled_grouped_mm(a8, sa, w8, sw, offs) -> torch.Tensor:
+    """torch._scaled_grouped_mm(a8 [M, K], w8 [E, N, K]^T, row-wise scales) -> bf16 [M, N].
+
+    On CPU (no kernel there) the same math per group in fp32, for the smoke run only."""
+    if a8.is_cuda:
+        return torch._scaled_grouped_mm(a8, w8.transpose(1, 2), sa, sw, offs=offs, out_dtype=torch.bfloat16)
+    out = torch.empty(a8.shape[0], w8.shape[1], dtype=torch.bfloat16)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = ((a8[start:end].float() * sa[start:end, None])
+                          @ (w8[g].float() * sw[g][:, None]).t()).to(torch.bfloat16)
+        start = end
+    return out
+
+
+def fp8_layer(x, topk_weights, topk_ids, w: Experts) -> torch.Tensor:
+    """MoE layer on torch._scaled_grouped_mm: activations quantized to e4m3 per row inside the layer."""
+    t, topk = topk_ids.shape
+    order, offs = sort_by_expert(topk_ids, w.w13_fp8.shape[0])
+    x8, sx = fp8_rows(x)  # once per token: every expert of a token reads the same row
+    tok = order // topk
+    a8 = x8.view(torch.uint8)[tok].view(torch.float8_e4m3fn)
+    gu = scaled_grouped_mm(a8, sx[tok], w.w13_fp8, w.w13_fp8_scale, offs)
+    h8, sh = fp8_rows(silu_mul(gu))
+    y = scaled_grouped_mm(h8, sh, w.w2_fp8, w.w2_fp8_scale, offs)
+    return combine(y, order, topk_weights, t, topk)
+
+
+def loop_layer(x, topk_weights, topk_ids, w13f, w2f, fake_quant: Callable) -> torch.Tensor:
+    """Plain per-expert loop in fp32 (the check of the bf16 / fp8 layers); fake_quant: the GEMM input rounding."""
+    t, topk = topk_ids.shape
+    out = torch.zeros(t, w2f.shape[1], dtype=torch.float32, device=x.device)
+    xq = fake_quant(x)
+    for e in range(w13f.shape[0]):
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = (xq[tok] @ w13f[e].float().t()).to(torch.bfloat16)
+        h = fake_quant(silu_mul(gu))
+        y = (h @ w2f[e].float().t()).to(torch.bfloat16)
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
+    return out.to(torch.bfloat16)
+
+
+def fp8_fake_quant(v: torch.Tensor) -> torch.Tensor:
+    q, s = fp8_rows(v)
+    return q.float() * s.unsqueeze(-1)
+
+
+def bf16_fake_quant(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).float()
+
+
+# ---- our layer ----------------------------------------------------------------------------
+def quads_layer(mode: str, backend: str = "triton") -> Callable:
+    """(x, topk_weights, topk_ids, experts) -> w4a4_fused_moe in `mode` (no host syncs: check_inputs=False)."""
+    from sglang_ext.kernels import reference, w4a4_fused_moe
+
+    op = w4a4_fused_moe if backend == "triton" else reference.w4a4_fused_moe
+    extra = dict(backend="triton") if backend == "triton" else {}
+
+    def layer(x, topk_weights, topk_ids, w: Experts):
+        rac = mode == "w4a4_rac"
+        return op(x, *w.w13, *w.w2, topk_weights, topk_ids, act_mode=mode,
+                  w13_comp_index=w.c13 if rac else None, w2_comp_index=w.c2 if rac else None,
+                  check_inputs=False, **extra)
+    return layer
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_variants(x, tw, ti, w: Experts) -> dict:
+    """{variant: {case: (relative error, tolerance)}} of every variant against its reference."""
+    checks = {}
+    w13f, w2f = w.w13_bf16.float(), w.w2_bf16.float()
+    checks["bf16"] = {"loop": (rel_err(bf16_layer(x, tw, ti, w), loop_layer(x, tw, ti, w13f, w2f, bf16_fake_quant)),
+                               BASELINE_TOL)}
+    w13_8 = w.w13_fp8.float() * w.w13_fp8_scale.unsqueeze(-1)
+    w2_8 = w.w2_fp8.float() * w.w2_fp8_scale.unsqueeze(-1)
+    checks["fp8"] = {"loop": (rel_err(fp8_layer(x, tw, ti, w), loop_layer(x, tw, ti, w13_8, w2_8, fp8_fake_quant)),
+                              BASELINE_TOL)}
+    for mode in MODES:
+        checks[mode] = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            xd = x.to(dtype)
+            ours = quads_layer(mode)(xd, tw, ti, w)
+            ref = quads_layer(mode, backend="torch")(xd, tw, ti, w)
+            checks[mode][str(dtype).split(".")[-1]] = (rel_err(ours, ref), TOL[dtype])
+    return checks
+
+
+# ---- timing ---------------------------------------------------------------------------------
+def time_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
+    """Median ms per call. CUDA: `reps` calls captured in one CUDA graph, replays timed with events
+    (host launch overhead excluded, as SGLang decodes under graphs). CPU: perf_counter per call."""
+    if dev.type != "cuda":
+        fn()
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[len(ts) // 2]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (Triton compiles, cuBLAS handles) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / reps)
+    del graph
+    return sorted(ts)[len(ts) // 2]
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written per second (CUDA events, median of 20)."""
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ts = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return 2 * src.numel() / (sorted(ts)[len(ts) // 2] * 1e-3)
+
+
+def weight_bytes(args, hit: int, rac: bool) -> int:
+    """Bytes of weights the layer reads for `hit` experts: codes + e4m3 scales (+ fp16 RAC columns)."""
+    h, f, k = args.hidden_size, args.moe_ffn_hidden_size, args.rac_channels
+    per = 2 * f * h * 9 // 16 + h * f * 9 // 16
+    if rac:
+        per += (2 * f + h) * k * 2
+    return hit * per
+
+
+# ---- report -------------------------------------------------------------------------------
+def _ms(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "n/a"
+
+
+def table(rows: list, copy_bw: float) -> str:
+    """Markdown: per T the ms of each variant, RAC vs FP8 / BF16 (>1: ours faster), RAC over W4A4, weight bandwidth."""
+    lines = ["| tokens | experts hit | BF16 ms | FP8 ms | w4a16 ms | w4a4 ms | w4a4_rac ms | RAC vs FP8 | RAC vs BF16 | "
+             "RAC over W4A4 | RAC weight TB/s (% of copy) | checks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["ms"]
+        rac, w4 = ms.get("w4a4_rac"), ms.get("w4a4")
+        cost = f"{100 * (rac / w4 - 1):+.0f}%" if isinstance(rac, float) and isinstance(w4, float) else "n/a"
+        if isinstance(rac, float) and copy_bw == copy_bw:
+            tbps = r["rac_weight_bytes"] / (rac * 1e-3)
+            bw = f"{tbps / 1e12:.2f} ({100 * tbps / copy_bw:.0f}%)"
+        else:
+            bw = "n/a"
+        bad = [f"{v}/{c}" for v, cs in r["checks"].items() for c, (err, tol) in cs.items() if not err < tol]
+        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {_ms(ms.get('bf16'))} | {_ms(ms.get('fp8'))} | "
+                     f"{_ms(ms.get('w4a16'))} | {_ms(w4)} | {_ms(rac)} | {_ratio(ms.get('fp8'), rac)} | "
+                     f"{_ratio(ms.get('bf16'), rac)} | {cost} | {bw} | {'FAIL ' + ', '.join(bad) if bad else 'ok'} |")
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    dev = torch.device(args.device)
+    gen = torch.Generator().manual_seed(args.seed)
+    w = build_experts(args, gen, dev)
+    layers = {"bf16": bf16_layer, "fp8": fp8_layer, **{m: quads_layer(m) for m in MODES}}
+    copy_bw = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
+    rows = []
+    for t in args.tokens:
+        tw, ti = random_routing(t, args.num_experts, args.moe_router_topk, gen, dev)
+        x = activations(t, args.hidden_size, gen, dev)
+        hit = int(ti.unique().numel())
+        checks = check_variants(x, tw, ti, w)
+        ms = {}
+        for name, layer in layers.items():
+            try:
+                ms[name] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+                ms[name] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
+        row = dict(tokens=t, experts_hit=hit, ms=ms, checks=checks,
+                   weight_bytes=weight_bytes(args, hit, False), rac_weight_bytes=weight_bytes(args, hit, True))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    import triton
+
+    meta = dict(date=time.strftime("%Y-%m-%d"), command="python3 tools/bench_moe_layer.py " + " ".join(sys.argv[1:]),
+                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                torch=torch.__version__, triton=triton.__version__, num_experts=args.num_experts,
+                hidden_size=args.hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                moe_router_topk=args.moe_router_topk, rac_channels=args.rac_channels, iters=args.iters,
+                reps=args.reps, graphs=dev.type == "cuda", copy_bytes_per_s=copy_bw)
+    return dict(meta=meta, rows=rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+    from sglang_ext.kernels.gemm import interpreting
+
+    if args.device == "cpu" and not interpreting():
+        raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
+                         "before Triton is imported")
+    with torch.no_grad():
+        res = run(args)
+    bw = res["meta"]["copy_bytes_per_s"]
+    how = (f"median of {args.iters} CUDA-graph replays of {args.reps} calls" if res["meta"]["graphs"]
+           else f"median of {args.iters} eager calls, Triton interpreter")
+    print(f"\n{res['meta']['device']}, {res['meta']['date']}; copy bandwidth (read + write) {bw / 1e12:.2f} TB/s; "
+          f"RAC k = {args.rac_channels}; ms per layer ({how})")
+    print(table(res["rows"], bw))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+    failed = any(not err < tol for r in res["rows"] for cs in r["checks"].values() for err, tol in cs.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
