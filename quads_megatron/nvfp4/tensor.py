@@ -87,6 +87,20 @@ class NVFP4Tensor:
         """Wrap fields computed by `quantize`: structure checked, values (finite scales) not."""
         return cls._build(data, scale, global_scale, shape, block_shape, values=False, name="NVFP4Tensor")
 
+    def unbind(self) -> list:
+        """The matrices of a stacked ``[M, R, K]`` tensor as M NVFP4Tensors (views, per-matrix scalar
+        S_dec); this tensor was checked, so its parts are not checked again (a layer has hundreds)."""
+        if len(self.shape) != 3:
+            raise InputError(f"NVFP4Tensor.unbind: expected a stacked [M, R, K] tensor, got shape {tuple(self.shape)}")
+        gs = self.global_scale.expand(self.shape[0], 1, 1).reshape(-1)
+        shape = torch.Size(self.shape[1:])
+        parts = []
+        for d, s, g in zip(self.data.unbind(0), self.scale.unbind(0), gs.unbind(0)):
+            obj = type(self).__new__(type(self))
+            obj.data, obj.scale, obj.global_scale, obj.shape, obj.block_shape = d, s, g, shape, self.block_shape
+            parts.append(obj)
+        return parts
+
     def validate(self, values: bool = True, name: str = "NVFP4Tensor") -> None:
         """Check dtypes, shapes, block_shape and (values=True) finite, non-negative scales; InputError names the field."""
         self.block_shape = check_block_shape(self.block_shape)

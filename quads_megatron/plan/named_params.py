@@ -63,12 +63,8 @@ class _ExpertBatch:
         q = nvfp4.quantize_grouped(mats, scale_group=len(self.role), out=out,
                                    name=f"model.layers.{self.layer} experts {'+'.join(self.role)}")
         n = len(self.role)
-        result = []
-        for i, (_, ns, ts) in enumerate(self.groups):
-            parts = [nvfp4.NVFP4Tensor._trusted(q.data[j], q.scale[j], q.global_scale[j].reshape(()),
-                                                ts[j - i * n].shape, (1, 16))
-                     for j in range(i * n, (i + 1) * n)]
-            result.append((ns, ts, parts))
+        parts = q.unbind()
+        result = [(ns, ts, parts[i * n:(i + 1) * n]) for i, (_, ns, ts) in enumerate(self.groups)]
         self.scales, self.names = q.global_scale.view(-1), names
         return result
 

@@ -1,0 +1,24 @@
+"""tools/bench_refit.py runs end to end at tiny size on CPU: its correctness check passes and it prints its table."""
+
+import importlib.util
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_refit_runs_tiny_on_cpu(monkeypatch, capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_refit", os.path.join(ROOT, "tools", "bench_refit.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "refit.json"
+    monkeypatch.setattr(sys, "argv", ["bench_refit", "--device", "cpu", "--tiny", "--json", str(out)])
+    bench.main()
+    text = capsys.readouterr().out
+    assert "correctness: grouped refresh and build equal" in text and "(a) AQAT refresh" in text
+    rows = json.loads(out.read_text())
+    assert rows["layers"] == 2 and rows["refresh"]["step_ms"] > 0
+    # wire size: BF16 is 2 B/parameter, NVFP4 0.5625 B + one fp32 scale per gate/up and down of each expert
+    params = 3 * 8 * 128 * 64 * 2
+    assert rows["wire_bytes"] == {"bf16": params * 2, "nvfp4": params * 0.5625 + 4 * 2 * 8 * 2}

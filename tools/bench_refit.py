@@ -1,0 +1,202 @@
+"""Refit cost per RL step for a Qwen3-30B-A3B expert set, each next to its HBM floor, in one run.
+
+  python tools/bench_refit.py                      # CUDA: 48 layers x 128 experts, hidden 2048, FFN 768
+  python tools/bench_refit.py --device cpu --tiny  # smoke run (torch reference, 2 tiny layers)
+
+Per layer, on the trainer's own code paths (expert weights as separate BF16 tensors, as Megatron's
+SequentialMLP holds them; layers built one at a time so the whole model need not fit):
+  (a) AQAT refresh:   ``ExpertsFakeQuant.refresh`` of fc1 and fc2 (one grouped launch each);
+  (b) build NVFP4:    ``quantize_scale_groups`` over the layer's HF-named gate/up/down stream, into
+                      new buffers (what the SGLang tensor sync sends);
+  (c) build + load:   the same, written straight into a local engine's ``NVFP4Experts`` buffers (the
+                      local engine's sync); the old path (per-expert quantize, then a copy per
+                      tensor) is timed next to it on one layer.
+Floors are bytes moved at the device-copy bandwidth measured in the same run: (a) reads and writes
+BF16; (b)/(c) read BF16 and write 0.5625 B/parameter. A wire-size column compares sending BF16 to
+an SGLang server (it quantizes) against sending NVFP4. CUDA-event timings, median of --iters.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _timer(device):
+    def run(fn, iters, warmup):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return run
+
+
+def _copy_bandwidth(device, run, nbytes=1 << 30):
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = run(lambda: dst.copy_(src), 10, 3)
+    return 2 * nbytes / ms / 1e9  # TB/s (read + write)
+
+
+def _layer(E, H, F, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    fc1 = [(torch.randn(2 * F, H, generator=g) * 0.02).to(device, torch.bfloat16) for _ in range(E)]
+    fc2 = [(torch.randn(H, F, generator=g) * 0.02).to(device, torch.bfloat16) for _ in range(E)]
+    return fc1, fc2
+
+
+def _named(layer, fc1, fc2, F):
+    """The HF-named stream the trainer's sync yields for one layer's experts."""
+    pre = f"model.layers.{layer}.mlp.experts"
+    for e, (w1, w2) in enumerate(zip(fc1, fc2)):
+        yield f"{pre}.{e}.gate_proj.weight", w1[:F]
+        yield f"{pre}.{e}.up_proj.weight", w1[F:]
+        yield f"{pre}.{e}.down_proj.weight", w2
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="2 layers, 8 experts, hidden 128, FFN 64")
+    p.add_argument("--num-layers", type=int, default=48)
+    p.add_argument("--num-experts", type=int, default=128)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=768)
+    p.add_argument("--iters", type=int, default=5, help="timed repeats per layer")
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    if a.tiny:
+        a.num_layers, a.num_experts, a.hidden_size, a.moe_ffn_hidden_size, a.iters = 2, 8, 128, 64, 2
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available (use --device cpu --tiny)")
+
+    from quads_megatron import nvfp4
+    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.megatron.fake_quant import ExpertsFakeQuant
+    from quads_megatron.plan import QuantPlan, quantize_scale_groups
+    from quads_megatron.recipe import QuadsRecipe
+    from quads_megatron.rl.engines.precision import NVFP4Experts, load_quantized
+    from quads_megatron.vocab import Precision
+
+    L, E, H, F = a.num_layers, a.num_experts, a.hidden_size, a.moe_ffn_hidden_size
+    dims = qwen3_moe.Dims(vocab_size=256, hidden_size=H, num_layers=L, num_heads=32, num_kv_heads=4,
+                          head_dim=128 if not a.tiny else 16, num_experts=E, moe_ffn=F, tie_word_embeddings=False)
+    plan = QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision="w4a4"), dims)
+    run = _timer(device)
+    bw = _copy_bandwidth(device, run)
+    params = 3 * E * H * F
+    bytes_refresh = params * 4                # read + write BF16
+    bytes_build = params * (2 + 0.5625)       # read BF16, write codes + E4M3 scales
+    engine = NVFP4Experts(E, H, F, Precision.W4A4, device)
+
+    def floor(nbytes):
+        return nbytes / bw / 1e9 if bw == bw else float("nan")
+
+    # correctness on layer 0 first: grouped results equal the per-tensor path
+    fc1, fc2 = _layer(E, H, F, device, 0)
+    caches = [ExpertsFakeQuant("fc1", fc1), ExpertsFakeQuant("fc2", fc2)]
+    for c, ws in zip(caches, (fc1, fc2)):
+        got = c.refresh()
+        for e in (0, E // 2, E - 1):
+            ref = nvfp4.fake_quantize(ws[e], check_finite=False)
+            assert torch.equal(got[e].view(torch.int16), ref.view(torch.int16)), f"refresh != fake_quantize, expert {e}"
+    groups = list(quantize_scale_groups(_named(0, fc1, fc2, F), plan))
+    for names, tensors, qs in groups[:3] + groups[-3:]:
+        ref = nvfp4.quantize_with_shared_scale(tensors) if len(tensors) > 1 else [nvfp4.quantize(tensors[0])]
+        for n, q, r in zip(names, qs, ref):
+            assert torch.equal(q.data, r.data) and torch.equal(q.global_scale, r.global_scale), n
+    print("correctness: grouped refresh and build equal the per-tensor nvfp4 path")
+
+    def refresh():
+        for c in caches:
+            c.refresh()
+
+    def build():
+        for _ in quantize_scale_groups(_named(layer, fc1, fc2, F), plan):
+            pass
+
+    def build_into_engine():
+        def destination(lay, role, experts):
+            return engine.grouped_buffers(role, experts)
+        for _ in quantize_scale_groups(_named(layer, fc1, fc2, F), plan, destination=destination):
+            pass
+
+    modules = {"model.layers.0.mlp.experts": engine}
+
+    def old_per_expert():  # before: one quantize per scale group, then a copy per tensor into the engine
+        for names, tensors, _ in groups:
+            qs = nvfp4.quantize_with_shared_scale(tensors) if len(tensors) > 1 else [nvfp4.quantize(tensors[0])]
+            for n, t, q in zip(names, tensors, qs):
+                load_quantized(modules, n, t, q)
+
+    layer = 0
+    old_ms = run(old_per_expert, max(1, a.iters // 2), 1)
+    one = {"refresh": run(refresh, a.iters, 2), "build": run(build, a.iters, 2),
+           "build_load": run(build_into_engine, a.iters, 2)}
+    # a whole step: every layer in turn (two weight sets alternate, so no layer's data is in L2;
+    # each layer keeps its own fake-quant cache and engine buffers, as in training)
+    sets = [(fc1, fc2), _layer(E, H, F, device, 1)]
+    layer_caches = [[ExpertsFakeQuant("fc1", sets[i % 2][0]), ExpertsFakeQuant("fc2", sets[i % 2][1])]
+                    for i in range(L)]
+    engines = [NVFP4Experts(E, H, F, Precision.W4A4, device) for _ in range(L)]
+
+    def step_refresh():
+        for cs in layer_caches:
+            for c in cs:
+                c.refresh()
+
+    def step_build(into_engine):
+        for i in range(L):
+            w1, w2 = sets[i % 2]
+            dest = (lambda lay, role, ex, m=engines[i]: m.grouped_buffers(role, ex)) if into_engine else None
+            for _ in quantize_scale_groups(_named(i, w1, w2, F), plan, destination=dest):
+                pass
+
+    steps = {"refresh": run(step_refresh, max(1, a.iters // 2), 1),
+             "build": run(lambda: step_build(False), max(1, a.iters // 2), 1),
+             "build_load": run(lambda: step_build(True), max(1, a.iters // 2), 1)}
+    name = f"{L} layers x {E} experts, hidden {H}, FFN {F}, {device}" + (
+        f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else "")
+    print(f"Refit per RL step: {name}; device copy {bw:.2f} TB/s")
+    print("| what | one layer ms | x floor | whole step ms (all layers) | step x floor | floor per layer ms |")
+    print("|---|---|---|---|---|---|")
+    out = {"layers": L, "experts": E, "hidden": H, "ffn": F, "copy_tb_s": bw, "old_per_expert_build_load_ms": old_ms}
+    for key, what, nbytes in (("refresh", "(a) AQAT refresh (fc1 + fc2 fake-quant)", bytes_refresh),
+                              ("build", "(b) build NVFP4 rollout weights", bytes_build),
+                              ("build_load", "(c) build + load into the local engine in place", bytes_build)):
+        fl = floor(nbytes)
+        print(f"| {what} | {one[key]:.3f} | {one[key] / fl:.2f} | {steps[key]:.1f} | {steps[key] / (fl * L):.2f} "
+              f"| {fl:.3f} |")
+        out[key] = {"layer_ms": one[key], "step_ms": steps[key], "floor_layer_ms": fl,
+                    "x_floor": one[key] / fl, "step_x_floor": steps[key] / (fl * L)}
+    print(f"| old path: per-expert quantize + copy into the engine | {old_ms:.3f} | {old_ms / floor(bytes_build):.2f} "
+          f"| {old_ms * L:.1f} (x{L}) | - | {floor(bytes_build):.3f} |")
+    wire_bf16, wire_fp4 = params * 2 * L, params * 0.5625 * L + 4 * 2 * E * L
+    print(f"\nSGLang weight sync payload per step (experts): BF16 {wire_bf16 / 1e9:.2f} GB (server quantizes, "
+          f"{steps['build']:.1f} ms of grouped kernels on the server) vs NVFP4 {wire_fp4 / 1e9:.2f} GB "
+          f"(trainer quantizes, same kernels)")
+    out["wire_bytes"] = {"bf16": wire_bf16, "nvfp4": wire_fp4}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
