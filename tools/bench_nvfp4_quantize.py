@@ -75,6 +75,25 @@ def main():
             2.5625 * n)
     row("amax kernel per-tensor", lambda: triton_kernels.amax(xs[nxt()]), 2 * n)
     row("amax kernel per-row", lambda: triton_kernels.amax(xs[nxt()], True), 2 * n)
+    # grouped kernels on one Qwen3-30B-A3B layer's fc1: 128 separate [1536, 2048] bf16 expert weights
+    # (amax inside the launch); bytes: read + write bf16 (fake) or read bf16 + write codes (quantize)
+    for buffers in (xs, outs, packed):
+        buffers.clear()  # free the 8192^2 buffers
+    experts = [torch.randn(1536, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(128)]
+    ge = 128 * 1536 * 2048
+    ref = nvfp4.fake_quantize(experts[5], check_finite=False)
+    got = nvfp4.fake_quantize_grouped(experts)
+    assert torch.equal(got[5].view(torch.int16), ref.view(torch.int16)), "grouped kernel != fake_quantize"
+    for br, bk, w, lag in [(8, 512, 4, 1), (4, 512, 4, 1), (16, 512, 8, 1), (8, 1024, 8, 1), (8, 256, 4, 1),
+                           (8, 512, 4, 2), (8, 512, 4, 4), (32, 256, 8, 1)]:
+        t = {"block_r": br, "block_k": bk, "num_warps": w, "lag": lag}
+        row(f"grouped fake-quant fc1 {br}x{bk} w{w} lag{lag}",
+            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_FUSED, fake=True, tile=t),
+            4 * ge)
+    row("grouped quantize fc1 (default tile)", lambda: nvfp4.quantize_grouped(experts), 2.5625 * ge)
+    row("grouped amax only fc1", lambda: nvfp4.amax_grouped(experts), 2 * ge)
+    stacked = torch.stack(experts)
+    row("grouped fake-quant fc1, one [E, N, K] tensor", lambda: nvfp4.fake_quantize_grouped(stacked), 4 * ge)
     copy_bw = rows[0][2]
     print(f"\nNVFP4 kernels, {args.rows}x{args.cols} bf16, {torch.cuda.get_device_name()}")
     print(f"{'what':42s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
