@@ -7,6 +7,9 @@ RL weight reloads write straight into the same tensors):
   weight_scale_2    float32 [shards]        one per logical matrix (q/k/v, gate/up)
   input_scale       float32 [shards]        static activation scale (used with activation_scaling=static)
   input_comp_index  int32 [shards * k]      RAC channels of each logical matrix (w4a4_rac only)
+Derived after loading (refilled in place on every reload): comp_weight fp16 [N, k], the RAC
+weight columns Wq[:, S] of each shard at its own channels (`sglang_ext.kernels.rac_columns`),
+which the GEMM's residual K-steps read (w4a4_rac only).
 Merged layers whose shards share `weight_scale_2` and RAC channels (ModelOpt and QUADS
 exporters share them) run as one GEMM; otherwise each shard runs with its own scale, which
 is exact where ModelOpt's `.max()` would not be. The first load fixes that plan (CUDA graphs
@@ -35,6 +38,7 @@ from sglang.srt.utils.common import set_weight_attrs
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
 from sglang_ext.kernels import w4a4_linear
+from sglang_ext.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.plan.rollout_schema import GROUP_SIZE
@@ -230,6 +234,12 @@ class QuadsLinearMethod(LinearMethodBase):
         if self.rollout.static_activation_scale:
             copy_or_rebind_param(layer, "input_global_scale", layer.input_scale.detach().max().reshape(()))
         comp = layer.input_comp_index.detach().view(shards, -1) if self.rollout.uses_rac else None
+        if comp is not None:  # the weights are final here (first load and every weight update)
+            bounds = torch.tensor([0] + list(layer.logical_widths)).cumsum(0).tolist()
+            w, ws = layer.weight.detach(), layer.weight_scale.detach()
+            copy_or_rebind_param(layer, "comp_weight", torch.cat([
+                rac_weight_columns(w[lo:hi], ws[lo:hi], comp[i])
+                for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]))
         shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
         # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
         # may not switch a fused layer to per-shard GEMMs (per-shard stays valid for any data).
@@ -256,6 +266,12 @@ class QuadsLinearMethod(LinearMethodBase):
             comp = layer.input_comp_index.view(len(layer.logical_widths), -1)[i]
         return layer.weight_scale_2[i:i + 1], comp
 
+    def _comp_weight(self, layer: torch.nn.Module, rows=None) -> Optional[torch.Tensor]:
+        """The stored RAC weight columns (of output rows lo:hi), None without RAC."""
+        if not self.rollout.uses_rac:
+            return None
+        return layer.comp_weight if rows is None else layer.comp_weight[rows[0]:rows[1]]
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         mode = self.rollout.precision.value
@@ -265,11 +281,12 @@ class QuadsLinearMethod(LinearMethodBase):
             ws2, comp = self._shard_args(layer, 0)
             return w4a4_linear(x, layer.weight, layer.weight_scale, ws2, act_mode=mode,
                                comp_index=comp, input_scale=input_scale, bias=bias,
-                               check_inputs=False)
+                               check_inputs=False, comp_weight=self._comp_weight(layer))
         outs = []
         for i, (lo, hi) in enumerate(rows):
             ws2, comp = self._shard_args(layer, i)
             outs.append(w4a4_linear(x, layer.weight[lo:hi], layer.weight_scale[lo:hi], ws2,
                                     act_mode=mode, comp_index=comp, input_scale=input_scale,
-                                    bias=None if bias is None else bias[lo:hi], check_inputs=False))
+                                    bias=None if bias is None else bias[lo:hi], check_inputs=False,
+                                    comp_weight=self._comp_weight(layer, (lo, hi))))
         return torch.cat(outs, dim=-1)

@@ -10,7 +10,10 @@ Parameters (ModelOpt names; checkpoint layout = compute layout, so RL reloads wr
   w13_input_comp_index                 int32 [E, 2, k] (one set per layer, repeated per expert)
   w2_input_comp_index                  int32 [E, k] (one set per expert)
 Derived after loading (same tensors refilled on every reload, so CUDA graphs stay valid):
-  w13_global_scale [E], w13_comp_index [k], w13/w2_input_global_scale [].
+  w13_global_scale [E], w13_comp_index [k], w13/w2_input_global_scale [],
+  w13_comp_weight / w2_comp_weight     fp16 [E, 2F, k] / [E, H, k]: the RAC weight columns
+                                       Wq[:, S] the GEMM's residual K-steps read
+                                       (`sglang_ext.kernels.rac_columns`), w4a4_rac only.
 Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`), named by its
 HF name (`model.layers.0.mlp.experts.3.up_proj.weight_scale`), and `process_weights_after_loading`
 names any expert slice the first load did not write; the forward skips the kernels' value checks.
@@ -32,6 +35,7 @@ from sglang.srt.utils.common import set_weight_attrs
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
 from sglang_ext.kernels import w4a4_fused_moe
+from sglang_ext.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.plan.rollout_schema import GROUP_SIZE
@@ -230,6 +234,12 @@ class QuadsMoEMethod(FusedMoEMethodBase):
                                       f"for every expert, so gate_proj and up_proj of all experts must "
                                       f"carry one shared channel set (input_comp_index)")
             copy_or_rebind_param(layer, "w13_comp_index", flat[0].contiguous())
+            # the weights are final here (first load and every weight update): store Wq[:, S]
+            copy_or_rebind_param(layer, "w13_comp_weight", rac_weight_columns(
+                layer.w13_weight.detach(), layer.w13_weight_scale.detach(), layer.w13_comp_index.detach()))
+            copy_or_rebind_param(layer, "w2_comp_weight", rac_weight_columns(
+                layer.w2_weight.detach(), layer.w2_weight_scale.detach(),
+                layer.w2_input_comp_index.detach()))
 
     # --- forward -----------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
@@ -251,7 +261,9 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             w13_comp_index=layer.w13_comp_index if rac else None,
             w2_comp_index=layer.w2_input_comp_index if rac else None,
             w13_input_scale=layer.w13_input_global_scale if static else None,
-            w2_input_scale=layer.w2_input_global_scale if static else None, check_inputs=False)
+            w2_input_scale=layer.w2_input_global_scale if static else None, check_inputs=False,
+            w13_comp_weight=layer.w13_comp_weight if rac else None,
+            w2_comp_weight=layer.w2_comp_weight if rac else None)
         return StandardCombineInput(hidden_states=out)
 
 

@@ -8,7 +8,8 @@ captured in a CUDA graph, all in the same run:
   fp8       the same layer on `torch._scaled_grouped_mm` (e4m3, row-wise scales: one per
             weight row per expert, one per activation row computed inside the layer);
   w4a16 / w4a4 / w4a4_rac   `sglang_ext.kernels.w4a4_fused_moe` (RAC with k channels: one set
-            for fc1, one set per expert for fc2, as SGLang loads them).
+            for fc1, one set per expert for fc2, and their weight columns built once, as SGLang's
+            `process_weights_after_loading` stores them).
 The timed region is the layer from (hidden states, top-k weights, top-k ids) to its output
 (routing sort included, router excluded). Before timing, each of our modes is checked against
 the torch reference (`sglang_ext.kernels.reference`) at the kernel tests' tolerances (bf16
@@ -79,6 +80,8 @@ class Experts(NamedTuple):
     w2: tuple   # NVFP4 (codes [E, H, F//2], e4m3 [E, H, F//16], scale_2 [E])
     c13: torch.Tensor  # RAC channels of fc1, int32 [k] (one set: all experts read the same x)
     c2: torch.Tensor   # RAC channels of fc2, int32 [E, k] (one set per expert)
+    w13_cols: torch.Tensor  # RAC weight columns fp16 [E, 2F, k] (rac_weight_columns, built once)
+    w2_cols: torch.Tensor   # fp16 [E, H, k]
     w13_bf16: torch.Tensor  # [E, 2F, H]: the NVFP4 weights dequantized (rounded to bf16)
     w2_bf16: torch.Tensor   # [E, H, F]
     w13_fp8: torch.Tensor   # e4m3 [E, 2F, H], row-wise scales w13_fp8_scale fp32 [E, 2F]
@@ -111,15 +114,17 @@ def comp_channels(k_in: int, k: int, groups: Optional[int], gen: torch.Generator
 
 
 def build_experts(args, gen: torch.Generator, dev) -> Experts:
+    from sglang_ext.kernels.rac_columns import rac_weight_columns
     from sglang_ext.kernels.reference import dequantize_weight
 
     e, h, f, k = args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.rac_channels
     w13, w2 = random_nvfp4(e, 2 * f, h, gen, dev), random_nvfp4(e, h, f, gen, dev)
+    c13, c2 = comp_channels(h, k, None, gen, dev), comp_channels(f, k, e, gen, dev)
     w13_bf16 = dequantize_weight(*w13, backend="torch").to(torch.bfloat16)
     w2_bf16 = dequantize_weight(*w2, backend="torch").to(torch.bfloat16)
     w13_fp8, w13_fp8_scale = fp8_rows(w13_bf16)
     w2_fp8, w2_fp8_scale = fp8_rows(w2_bf16)
-    return Experts(w13, w2, comp_channels(h, k, None, gen, dev), comp_channels(f, k, e, gen, dev),
+    return Experts(w13, w2, c13, c2, rac_weight_columns(w13[0], w13[1], c13), rac_weight_columns(w2[0], w2[1], c2),
                    w13_bf16, w2_bf16, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale)
 
 
@@ -228,10 +233,13 @@ def quads_layer(mode: str, backend: str = "triton") -> Callable:
     from sglang_ext.kernels import reference, w4a4_fused_moe
 
     op = w4a4_fused_moe if backend == "triton" else reference.w4a4_fused_moe
-    extra = dict(backend="triton") if backend == "triton" else {}
+    rac = mode == "w4a4_rac"
 
     def layer(x, topk_weights, topk_ids, w: Experts):
-        rac = mode == "w4a4_rac"
+        extra = {}
+        if backend == "triton":
+            extra = dict(backend="triton", w13_comp_weight=w.w13_cols if rac else None,
+                         w2_comp_weight=w.w2_cols if rac else None)
         return op(x, *w.w13, *w.w2, topk_weights, topk_ids, act_mode=mode,
                   w13_comp_index=w.c13 if rac else None, w2_comp_index=w.c2 if rac else None,
                   check_inputs=False, **extra)

@@ -3,7 +3,8 @@
 Qwen3-30B-A3B MoE shapes (128 experts, hidden 2048, expert FFN 768, top-8), tokens
 T in {16, 64, 256, 1024, 4096}: fc1 (N = 1536, K = 2048) and fc2 (N = 2048, K = 768) as grouped
 GEMMs over expert-sorted rows (balanced routing), the activation quantization (+RAC) pre-pass,
-RAC in its exact K + k form (residual loop in the GEMM, the only RAC path), the whole fused MoE,
+RAC in its exact form (k extra fp16 K-steps over the stored weight columns, the only RAC path),
+the whole fused MoE (tools/bench_moe_layer.py times the layer with random routing),
 and one dense linear. Baselines: torch._grouped_mm (BF16) and
 torch._scaled_grouped_mm (FP8 e4m3, row-wise scales) called as the H200 baseline anchors do.
 Median of CUDA-event timings of CUDA-graph replays (10 calls per graph) after warm-up, so host
@@ -28,6 +29,7 @@ import torch
 from sglang_ext.kernels import w4a4_fused_moe
 from sglang_ext.kernels.act_quant import quantize_activation_rac
 from sglang_ext.kernels.gemm import GemmConfig, default_config, launch_gemm
+from sglang_ext.kernels.rac_columns import rac_weight_columns
 from sglang_ext.kernels.routing import moe_align_block_size
 
 SWEEP = {  # spill-free on sm_90 per ptxas (checked offline), plus more warps for decode
@@ -140,6 +142,7 @@ def grouped_case(t, gemm, shapes, dev, iters, k_comp, sweep):
         comp = comp.repeat(e, 1)  # per-expert sets (the chosen layout)
     groups = ti.reshape(-1) if gemm == "fc2" else None
     qa = quantize_activation_rac(x, comp, None, groups)
+    cols = rac_weight_columns(w[0], w[1], comp)  # built once, as at load time
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     kw = dict(m=m, a_row_div=topk if gemm == "fc1" else 1,
               topk_weights=tw.reshape(-1) if gemm == "fc2" else None)
@@ -151,7 +154,7 @@ def grouped_case(t, gemm, shapes, dev, iters, k_comp, sweep):
     for cfg in configs:
         routing = moe_align_block_size(ti, cfg.block_m, e)
         fn = lambda: launch_gemm(qa.values, qa.s_dec, *w, out, routing=routing,  # noqa
-                                 r=(qa.r_values, qa.r_s_dec), comp_index=comp,
+                                 r=(qa.r_values, qa.r_s_dec), comp_weight=cols,
                                  config=cfg, **kw)
         try:
             ms = timer(fn, iters)
@@ -194,13 +197,15 @@ def dense_case(m, n, k, dev, iters, k_comp, copies=16):
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     comp = torch.sort(torch.randperm(k, device=dev)[:k_comp]).values.to(torch.int32)
     qa = quantize_activation_rac(x, comp)
+    cols = [rac_weight_columns(w[0], w[1], comp) for w in ws]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     it = iter(range(10 ** 9))
 
     def ours():
-        w = ws[next(it) % copies]
+        i = next(it) % copies
+        w = ws[i]
         launch_gemm(qa.values, qa.s_dec, w[0], w[1], w[2][:1], out, m=m,
-                    r=(qa.r_values, qa.r_s_dec), comp_index=comp)
+                    r=(qa.r_values, qa.r_s_dec), comp_weight=cols[i])
 
     res = dict(m=m, n=n, k=k, rac_ms=timer(ours, iters, reps=copies),
                actq_ms=timer(lambda: quantize_activation_rac(x, comp), iters))
@@ -264,7 +269,7 @@ def main():
 
     f_ = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     print(f"\ncopy bandwidth (read+write) {bw / 1e12:.2f} TB/s; RAC k = {k_comp}")
-    print("| T | gemm | bf16 grouped ms | fp8 grouped ms | w4a4 ms | w4a4+RAC ms (K+k) |"
+    print("| T | gemm | bf16 grouped ms | fp8 grouped ms | w4a4 ms | w4a4+RAC ms (+k fp16 steps) |"
           " RAC vs fp8 | RAC vs bf16 | weight TB/s (% copy) | act-quant ms (share) | tile |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     moe_by_t = {r["T"]: r["rac_ms"] for r in rows if r["gemm"] == "moe"}

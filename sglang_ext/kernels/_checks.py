@@ -78,6 +78,23 @@ def check_comp(act_mode: str, comp_index: Optional[torch.Tensor], k_in: int,
     return comp_index
 
 
+def check_comp_weight(comp_weight: Optional[torch.Tensor], comp: Optional[torch.Tensor],
+                      shape: tuple, name: str) -> None:
+    """RAC weight columns (`rac_columns.rac_weight_columns`): fp16 `shape` = (..., N, k), row-major.
+
+    Shape and dtype only: that they were built from this weight and these channels is the
+    caller's contract (no host sync)."""
+    if comp is None or comp_weight is None:
+        return
+    want = (*shape, comp.shape[-1])
+    if not isinstance(comp_weight, torch.Tensor) or comp_weight.dtype != torch.float16 or \
+            tuple(comp_weight.shape) != want or comp_weight.stride(-1) != 1:
+        raise ValueError(f"{name}: expected the RAC weight columns as fp16 {want} (row-major; "
+                         f"sglang_ext.kernels.rac_columns.rac_weight_columns(weight, weight_scale, "
+                         f"comp_index)), got {getattr(comp_weight, 'dtype', type(comp_weight))} "
+                         f"{tuple(getattr(comp_weight, 'shape', ()))}")
+
+
 def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: int,
                   num_experts: int, check_inputs: bool = True) -> None:
     """topk_ids int [T, topk] in [0, E); topk_weights float [T, topk]."""

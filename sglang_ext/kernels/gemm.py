@@ -16,13 +16,15 @@ fp16 the same way, and one fp16 multiply gives value * scale * 2^-7. `decode_wor
 tested bit-exact against `quads_megatron.nvfp4.triton_kernels`' `e2m1_decode`/`e4m3_decode` on every byte and every
 finite scale. The activation tile is not decoded here: `act_quant` writes it as the same
 exact fp16 (e2m1 * e4m3 * 2^-7) next to the packed codes, so the decode work per program is
-the weight tile only. The RAC weight gather uses nvfp4's Triton helpers directly.
+the weight tile only.
 
-RAC on Hopper, y = xq Wq^T + rq Wq[:, S]^T, is a second, short K loop over the k gathered
-channels (`r=` in `launch_gemm`; own per-row S_dec, the accumulator is rescaled by
-S_dec(x) / S_dec(r) before it) that gathers single weight columns from the packed weight; on
-the H200 it costs as much as the main loop (docs/benchmarks.md). (A form that folded the
-residual into the fp16 activation tile was removed: it failed its GPU accuracy test.)
+RAC on Hopper, y = xq Wq^T + rq Wq[:, S]^T, runs as k extra K-steps of plain fp16 MMA into the
+same accumulator (`r=` and `comp_weight=` in `launch_gemm`): the residual tile rq comes from
+the act_quant pre-pass (exact fp16, its own per-row S_dec: the accumulator is rescaled by
+S_dec(x) / S_dec(r) before these steps) and the weight columns Wq[:, S] are stored per expert
+at load time in the same exact fp16 form (`rac_columns.rac_weight_columns`), so no single
+columns are gathered from the packed weight here. (A form that folded the residual into the
+fp16 activation tile was removed: it failed its GPU accuracy test.)
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quads_megatron.nvfp4.triton_kernels import bf16_round, e2m1_decode, e4m3_decode
-
-RES_BLOCK = 16  # gathered RAC channels per step: wider gathers spill registers (ptxas, sm_90)
+from quads_megatron.nvfp4.triton_kernels import bf16_round
 
 
 @triton.jit
@@ -82,18 +82,19 @@ def decode_words_f16(words, sbits, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _w4a4_gemm_kernel(
         a_ptr, asdec_ptr, stride_am,
-        rv_ptr, rsdec_ptr, KR, comp_ptr, comp_stride_e,
-        w_ptr, w32_ptr, ws_ptr, ws2_ptr, stride_we, stride_wn, stride_wse, stride_wsn,
+        rv_ptr, rsdec_ptr, KR, rw_ptr, stride_rwe, stride_rwn,
+        w32_ptr, ws_ptr, ws2_ptr, stride_we, stride_wn, stride_wse, stride_wsn,
         c_ptr, stride_cm, bias_ptr, topk_w_ptr,
         sorted_ptr, expert_ptr, npost_ptr,
         M, N, K, A_ROW_DIV, NUM_M_BLOCKS,
         ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
-        EVEN_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
-    the float activation (W4A16); Wq[e] is decoded from packed words in registers."""
+    the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
+    + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns)."""
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -119,7 +120,6 @@ def _w4a4_gemm_kernel(
     c_rows = c_rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     w32_rows = w32_ptr + expert * (stride_we // 4) + offs_n[:, None].to(tl.int64) * (stride_wn // 4)
     s_rows = ws_ptr + expert * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
     a_base = a_ptr + a_rows[:, None] * stride_am
@@ -156,21 +156,24 @@ def _w4a4_gemm_kernel(
     else:
         sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
         if HAS_RES:
-            # RAC: + rq Wq[:, S]^T over the k gathered channels, which have their own per-row
-            # S_dec: rescale the accumulator to the residual's scale and keep one accumulator
+            # RAC: + rq Wq[:, S]^T as k more K-steps (the residual has its own per-row S_dec:
+            # rescale the accumulator to it and keep one accumulator)
             rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
             acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
+            rw_rows = rw_ptr + expert * stride_rwe + offs_n[:, None].to(tl.int64) * stride_rwn
+            r_rows = rv_ptr + a_rows[:, None] * KR
+            # one step at k <= BLOCK_K; not pipelined (no extra shared-memory stages: occupancy)
             for j0 in tl.range(0, KR, BLOCK_KR, num_stages=1):
                 j = j0 + tl.arange(0, BLOCK_KR)
-                jmask = j < KR
-                idx = tl.load(comp_ptr + expert * comp_stride_e + j, mask=jmask, other=0)
-                wm = n_mask[:, None] & jmask[None, :]
-                wb = tl.load(w_rows + (idx // 2)[None, :], mask=wm, other=0)
-                wcode = (wb >> ((idx & 1) * 4).to(tl.uint8)[None, :]) & 0xF
-                wsf = e4m3_decode(tl.load(s_rows + (idx // 16)[None, :], mask=wm, other=0))
-                wg = (e2m1_decode(wcode) * (wsf * 0.0078125)).to(tl.float16)
-                rt = tl.load(rv_ptr + a_rows[:, None] * KR + j[None, :],
-                             mask=row_mask[:, None] & jmask[None, :], other=0.0)
+                if EVEN_KR:
+                    wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None], other=0.0)
+                    rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None], other=0.0)
+                else:
+                    jmask = j < KR
+                    wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None] & jmask[None, :],
+                                 other=0.0)
+                    rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None] & jmask[None, :],
+                                 other=0.0)
                 if DOT_F32:
                     acc = tl.dot(rt.to(tl.float32), tl.trans(wg.to(tl.float32)), acc,
                                  input_precision="ieee")
@@ -228,13 +231,13 @@ def _words(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tensor,
                 w_scale: torch.Tensor, w_scale_2: torch.Tensor, out: torch.Tensor, *, m: int,
-                w4a16: bool = False, r=None, comp_index: Optional[torch.Tensor] = None,
+                w4a16: bool = False, r=None, comp_weight: Optional[torch.Tensor] = None,
                 bias=None, routing=None, a_row_div: int = 1, topk_weights=None,
                 config: Optional[GemmConfig] = None) -> torch.Tensor:
     """Run the kernel. a: the exact fp16 activation values of act_quant [Ma, K] (or the float
     x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
-    expert_ids, num_post) for the grouped form; r = (values [Ma, k], s_dec [Ma]) of the RAC
-    residual."""
+    expert_ids, num_post) for the grouped form; RAC: r = (values [Ma, k], s_dec [Ma]) of the
+    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`)."""
     e, n, k2 = w.shape
     k = k2 * 2
     if a.stride(-1) != 1:
@@ -250,8 +253,14 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     else:
         sorted_ids, expert_ids, npost = routing
         num_m_blocks = sorted_ids.numel() // bm
-    kr = 0 if r is None else comp_index.shape[-1]
-    comp = comp_index if kr else w_scale_2
+    kr = 0 if r is None else comp_weight.shape[-1]
+    if kr and (comp_weight.dtype != torch.float16 or comp_weight.shape != (e, n, kr)
+               or comp_weight.stride(-1) != 1 or r[0].shape[-1] != kr or not r[0].is_contiguous()):
+        raise ValueError(f"comp_weight: expected fp16 [{e}, {n}, k] (row-major) and residual "
+                         f"values [rows, k], got {comp_weight.dtype} {tuple(comp_weight.shape)} "
+                         f"and {tuple(r[0].shape)}")
+    rw = comp_weight if kr else w_scale_2
+    bkr = min(bk, max(16, triton.next_power_of_2(max(kr, 1))))
     out_bf16 = out.dtype == torch.bfloat16
     c = out.view(torch.uint16) if out_bf16 else out
     grid = (num_m_blocks * triton.cdiv(n, bn),)
@@ -259,15 +268,15 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     _w4a4_gemm_kernel[grid](
         a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
         r[0] if kr else a, r[1] if kr else w_scale_2, kr,
-        comp, comp.stride(0) if kr and comp.ndim == 2 else 0,
-        w, _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), ws.stride(0),
+        rw, rw.stride(0) if kr else 0, rw.stride(1) if kr else 0,
+        _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), ws.stride(0),
         ws.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
         sorted_ids, expert_ids, npost, m, n, k, a_row_div, num_m_blocks,
         ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
-        EVEN_K=k % bk == 0, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KR=min(RES_BLOCK, max(16, triton.next_power_of_2(max(kr, 1)))),
+        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

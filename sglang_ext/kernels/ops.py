@@ -1,7 +1,11 @@
 """Public rollout ops `w4a4_linear` and `w4a4_fused_moe` (docs/interfaces.md): validation, dispatch, launches.
 
-RAC on Hopper runs the residual exactly: a short K + k loop in the GEMM over the k gathered
-compensation channels (own per-row S_dec), equal to the reference at fp32-accumulation level.
+RAC on Hopper runs the residual exactly: k extra K-steps of fp16 MMA in the GEMM over the
+residual tile (own per-row S_dec) and the stored weight columns Wq[:, S]
+(`rac_columns.rac_weight_columns`: pass them as `comp_weight` / `w13_comp_weight` /
+`w2_comp_weight`, built once per weight; without them they are built per call), equal to the
+reference at fp32-accumulation level. The torch reference ignores them (it indexes the
+dequantized weight).
 
 Dispatch, once per call, by `quads_megatron.nvfp4.resolve_backend(x.device, backend)`
 (`backend=` argument, else QUADS_BACKEND, else Triton on CUDA and torch on CPU): "torch" runs
@@ -22,10 +26,11 @@ import torch
 from quads_megatron.nvfp4 import resolve_backend
 
 from . import reference
-from ._checks import (check_act_mode, check_activation, check_comp, check_moe_inputs,
-                      check_packed_weight)
+from ._checks import (check_act_mode, check_activation, check_comp, check_comp_weight,
+                      check_moe_inputs, check_packed_weight)
 from .act_quant import quantize_activation_rac
 from .gemm import default_config, launch_gemm
+from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 
 __all__ = ["w4a4_linear", "w4a4_fused_moe"]
@@ -41,19 +46,22 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 weight_scale_2: torch.Tensor, *, act_mode: str,
                 comp_index: Optional[torch.Tensor] = None, input_scale=None,
                 bias: Optional[torch.Tensor] = None, backend: Optional[str] = None,
-                check_inputs: bool = True) -> torch.Tensor:
+                check_inputs: bool = True,
+                comp_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x Wq^T (+ bias) with NVFP4 weights; act_mode w4a4 | w4a4_rac | w4a16. x [..., K] -> [..., N].
 
     backend: "triton" | "torch" | None (`resolve_backend`); check_inputs=False: no host-syncing
-    value checks."""
+    value checks; comp_weight: fp16 [N, k] = rac_weight_columns(weight, weight_scale,
+    comp_index) (w4a4_rac; built per call when None)."""
     check_act_mode(act_mode)
     n, k = check_packed_weight(weight, weight_scale, weight_scale_2, ndim=2, name="weight")
     check_activation(x, k)
     comp = check_comp(act_mode, comp_index, k, check_inputs=check_inputs)
     if comp is not None and comp.ndim != 1:
         raise ValueError("comp_index: a dense linear takes one set [k]")
+    check_comp_weight(comp_weight, comp, (n,), "comp_weight")
     _same_device(x, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2,
-                 comp_index=comp, bias=bias)
+                 comp_index=comp, bias=bias, comp_weight=comp_weight if comp is not None else None)
     if resolve_backend(x.device, backend) == "torch":
         return reference.w4a4_linear(x, weight, weight_scale, weight_scale_2, act_mode=act_mode,
                                      comp_index=comp_index, input_scale=input_scale, bias=bias,
@@ -75,8 +83,12 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
     else:
         qa = quantize_activation_rac(x2d, comp, input_scale)
-        r = None if comp is None else (qa.r_values, qa.r_s_dec)
-        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_index=comp, bias=b)
+        r = cols = None
+        if comp is not None:
+            r = (qa.r_values, qa.r_s_dec)
+            cols = (comp_weight if comp_weight is not None
+                    else rac_weight_columns(weight, weight_scale, comp)).unsqueeze(0)
+        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_weight=cols, bias=b)
     return out.view(*x.shape[:-1], n)
 
 
@@ -86,15 +98,22 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    *, act_mode: str, w13_comp_index: Optional[torch.Tensor] = None,
                    w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
                    w2_input_scale=None, backend: Optional[str] = None,
-                   check_inputs: bool = True) -> torch.Tensor:
+                   check_inputs: bool = True, w13_comp_weight: Optional[torch.Tensor] = None,
+                   w2_comp_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
-    backend and check_inputs as in `w4a4_linear`."""
+    backend and check_inputs as in `w4a4_linear`; w13_comp_weight fp16 [E, 2F, k] /
+    w2_comp_weight fp16 [E, H, k]: rac_weight_columns of w13 / w2 at their channels (w4a4_rac;
+    built per call when None)."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
         x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
         act_mode, w13_comp_index, w2_comp_index, check_inputs)
+    check_comp_weight(w13_comp_weight, c13, (num_experts, 2 * f), "w13_comp_weight")
+    check_comp_weight(w2_comp_weight, c2, (num_experts, hidden), "w2_comp_weight")
     _same_device(x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights,
-                 w13_comp_index=c13, w2_comp_index=c2)
+                 w13_comp_index=c13, w2_comp_index=c2,
+                 w13_comp_weight=w13_comp_weight if c13 is not None else None,
+                 w2_comp_weight=w2_comp_weight if c2 is not None else None)
     if resolve_backend(x.device, backend) == "torch":
         return reference.w4a4_fused_moe(
             x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
@@ -120,8 +139,11 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     else:
         qa = quantize_activation_rac(x, c13, w13_input_scale)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)
+        if c13 is not None and w13_comp_weight is None:
+            w13_comp_weight = rac_weight_columns(w13, w13_scale, c13)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
-                    comp_index=c13, routing=routing, a_row_div=topk, config=cfg1)
+                    comp_weight=w13_comp_weight if r is not None else None, routing=routing,
+                    a_row_div=topk, config=cfg1)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if act_mode == "w4a16":
@@ -131,6 +153,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
         qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True)
         r = None if c2 is None else (qh.r_values, qh.r_s_dec)
+        if c2 is not None and w2_comp_weight is None:
+            w2_comp_weight = rac_weight_columns(w2, w2_scale, c2)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
-                    comp_index=c2, routing=routing, topk_weights=tw, config=cfg2)
+                    comp_weight=w2_comp_weight if r is not None else None, routing=routing,
+                    topk_weights=tw, config=cfg2)
     return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)

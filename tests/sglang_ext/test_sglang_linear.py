@@ -16,6 +16,7 @@ from sglang_fixtures import comp_index, input_scale, nvfp4_linear
 pytest.importorskip("sglang", reason="SGLang is not installed")
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from sglang_ext.kernels import reference
+from sglang_ext.kernels.rac_columns import rac_weight_columns
 
 K = 64
 MODES = [("w4a4", "per_token"), ("w4a4_rac", "per_token"), ("w4a4", "static"), ("w4a16", "per_token")]
@@ -217,4 +218,7 @@ def test_twenty_reload_cycles_keep_identity_and_outputs(sglang_runtime, monkeypa
         assert "input_global_scale" in ids
         y, _ = layer(x)
         torch.testing.assert_close(y, want[v], rtol=0, atol=0)
+        # the RAC weight columns the Triton path reads follow the reloaded shards
+        assert torch.equal(layer.comp_weight, torch.cat([rac_weight_columns(
+            t["weight"], t["weight_scale"], t["input_comp_index"]) for t in sets[v]]))
     torch.testing.assert_close(layer(x)[0], first, rtol=0, atol=0)

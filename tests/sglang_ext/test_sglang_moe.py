@@ -12,6 +12,7 @@ import torch
 from sglang_fixtures import moe_checkpoint
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from sglang_ext.kernels import reference
+from sglang_ext.kernels.rac_columns import rac_weight_columns
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
 
@@ -150,7 +151,8 @@ def test_twenty_reload_cycles_keep_identity_and_outputs(sglang_runtime, monkeypa
     _load(layer, ckpts[0])
     DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
     ids = {n: (id(p), p.data_ptr()) for n, p in layer.named_parameters()}
-    assert {"w13_global_scale", "w13_comp_index", "w13_input_global_scale"} <= set(ids)
+    assert {"w13_global_scale", "w13_comp_index", "w13_input_global_scale", "w13_comp_weight",
+            "w2_comp_weight"} <= set(ids)
     torch.testing.assert_close(layer(x, topk), want[0], rtol=0, atol=0)
     for cycle in range(20):
         v = (cycle + 1) % 2
@@ -159,3 +161,8 @@ def test_twenty_reload_cycles_keep_identity_and_outputs(sglang_runtime, monkeypa
         DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
         assert {n: (id(p), p.data_ptr()) for n, p in layer.named_parameters()} == ids
         torch.testing.assert_close(layer(x, topk), want[v], rtol=0, atol=0)
+        # the RAC weight columns the Triton path reads follow the reloaded weights
+        assert torch.equal(layer.w13_comp_weight, rac_weight_columns(
+            layer.w13_weight, layer.w13_weight_scale, layer.w13_comp_index))
+        assert torch.equal(layer.w2_comp_weight, rac_weight_columns(
+            layer.w2_weight, layer.w2_weight_scale, layer.w2_input_comp_index))

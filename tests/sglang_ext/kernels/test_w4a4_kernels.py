@@ -16,6 +16,7 @@ from quads_megatron.rac import quantize_compensated
 from sglang_ext.kernels import reference, w4a4_fused_moe, w4a4_linear
 from sglang_ext.kernels.act_quant import quantize_activation_rac
 from sglang_ext.kernels.gemm import decode_words_f16, interpreting
+from sglang_ext.kernels.rac_columns import rac_weight_columns
 from sglang_ext.kernels.routing import moe_align_block_size
 
 CUDA = torch.cuda.is_available()
@@ -176,7 +177,7 @@ def test_linear_matches_reference_gpu(mode, dtype, m):
 
 
 def _check_exact_rac_gemm(device, m, n, k_in, k):
-    """The exact K + k form (residual loop in the GEMM) equals the reference at fp32 level."""
+    """RAC as k extra fp16 K-steps over the stored weight columns equals the reference at fp32 level."""
     from sglang_ext.kernels.gemm import launch_gemm
 
     gen = torch.Generator().manual_seed(m + k)
@@ -186,15 +187,40 @@ def _check_exact_rac_gemm(device, m, n, k_in, k):
     qa = quantize_activation_rac(x, ci)
     out = torch.empty(m, n, device=device)
     launch_gemm(qa.values, qa.s_dec, wd[None], ws[None], ws2.reshape(1), out, m=m,
-                r=(qa.r_values, qa.r_s_dec), comp_index=ci)
+                r=(qa.r_values, qa.r_s_dec), comp_weight=rac_weight_columns(wd, ws, ci)[None])
     ref = reference.w4a4_linear(x.cpu(), wd.cpu(), ws.cpu(), ws2.cpu(), act_mode="w4a4_rac",
                                 comp_index=ci.cpu())
     assert rel(out.cpu(), ref) < 2e-6
 
 
 @cpu_kernels
-def test_exact_rac_gemm_cpu():
-    _check_exact_rac_gemm("cpu", 5, 40, 80, 32)
+@pytest.mark.parametrize("k", [32, 48])  # 48: the last residual step is partial
+def test_exact_rac_gemm_cpu(k):
+    _check_exact_rac_gemm("cpu", 5, 40, 80, k)
+
+
+def test_rac_weight_columns_are_the_dequantized_columns():
+    """Every code and every e4m3 scale byte (subnormals included): cols * 2^7 * scale_2 == Wq[:, S]
+    bit for bit, for one shared set, one set per expert, and a dense weight."""
+    gen = torch.Generator().manual_seed(11)
+    e, n, k_in, k = 3, 64, 4096, 64
+    wd = torch.randint(0, 256, (e, n, k_in // 2), dtype=torch.uint8, generator=gen)
+    ws = (torch.arange(e * n * k_in // 16) % 127).to(torch.uint8).view(e, n, k_in // 16)
+    ws = ws[:, torch.randperm(n, generator=gen)].contiguous().view(torch.float8_e4m3fn)
+    ws2 = torch.rand(e, generator=gen) + 0.5
+    wq = reference.dequantize_weight(wd, ws, ws2)
+    per = comp(k_in, k, gen, e)
+    cols = rac_weight_columns(wd, ws, per)
+    assert cols.dtype == torch.float16 and cols.shape == (e, n, k)
+    for i in range(e):
+        assert torch.equal(cols[i].float() * 128 * ws2[i], wq[i][:, per[i].long()])
+    one = per[0]
+    assert torch.equal(rac_weight_columns(wd, ws, one).float() * 128 * ws2[:, None, None],
+                       wq[:, :, one.long()])
+    assert torch.equal(rac_weight_columns(wd[1], ws[1].view(torch.uint8), one),
+                       rac_weight_columns(wd, ws, one)[1])
+    with pytest.raises(ValueError, match="one set per expert"):
+        rac_weight_columns(wd[0], ws[0], per)
 
 
 @gpu
@@ -234,7 +260,7 @@ def test_rac_lowers_error_against_bf16_gpu():
 
 
 # ---- fused MoE -------------------------------------------------------------------------
-def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None):
+def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None, prebuilt=False):
     gen = torch.Generator().manual_seed(t + h + e)
     x = activations(t, h, dtype, device, gen)
     w13 = packed((e, 2 * f, h), device, gen=gen)
@@ -246,6 +272,9 @@ def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None):
     c13 = comp(h, 16, gen).to(device)
     c2 = comp(f, 16, gen, e if per_expert else None).to(device)
     kw = dict(act_mode=mode, w13_comp_index=c13, w2_comp_index=c2)
+    if prebuilt:  # the RAC weight columns built once, as the SGLang method and local engine do
+        kw.update(w13_comp_weight=rac_weight_columns(w13[0], w13[1], c13),
+                  w2_comp_weight=rac_weight_columns(w2[0], w2[1], c2))
     out = w4a4_fused_moe(x, *w13, *w2, tw, ti, **kw, **TRITON)
     cpu = lambda ts: [t_.cpu() for t_ in ts]  # noqa: E731
     kw_cpu = dict(act_mode=mode, w13_comp_index=c13.cpu(), w2_comp_index=c2.cpu())
@@ -256,13 +285,15 @@ def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None):
 
 
 @cpu_kernels
-@pytest.mark.parametrize("mode,dtype,t,per_expert", [
-    ("w4a4_rac", torch.float32, 7, True),
-    ("w4a4", torch.bfloat16, 1, False),   # one token
-    ("w4a16", torch.bfloat16, 5, False),
+@pytest.mark.parametrize("mode,dtype,t,per_expert,prebuilt", [
+    ("w4a4_rac", torch.float32, 7, True, False),
+    ("w4a4_rac", torch.float32, 3, False, True),   # stored columns, one fc2 set, empty experts
+    ("w4a4_rac", torch.bfloat16, 6, True, True),
+    ("w4a4", torch.bfloat16, 1, False, False),   # one token
+    ("w4a16", torch.bfloat16, 5, False, False),
 ])
-def test_fused_moe_matches_reference_cpu(mode, dtype, t, per_expert):
-    _check_moe("cpu", mode, dtype, t, 64, 48, 5, 2, per_expert)
+def test_fused_moe_matches_reference_cpu(mode, dtype, t, per_expert, prebuilt):
+    _check_moe("cpu", mode, dtype, t, 64, 48, 5, 2, per_expert, prebuilt=prebuilt)
 
 
 @gpu
@@ -272,6 +303,43 @@ def test_fused_moe_matches_reference_cpu(mode, dtype, t, per_expert):
                                           ("w4a16", torch.bfloat16, 100)])
 def test_fused_moe_matches_reference_gpu(mode, dtype, t):
     _check_moe("cuda", mode, dtype, t, 512, 384, 16, 4, True)
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype,t", [("w4a4_rac", torch.float32, 16),
+                                          ("w4a4_rac", torch.bfloat16, 16),
+                                          ("w4a4_rac", torch.float32, 1024),
+                                          ("w4a4_rac", torch.bfloat16, 4096),
+                                          ("w4a4", torch.float32, 64),
+                                          ("w4a16", torch.float32, 256)])
+def test_fused_moe_full_size_random_routing_gpu(mode, dtype, t):
+    """Qwen3-30B-A3B's layer (128 experts, hidden 2048, FFN 768, top-8, k = 64) with random
+    routing (at 16 tokens ~80 experts are hit, the rest get no rows) and the stored RAC columns,
+    against the torch reference run on the GPU at the fp32-accumulation level (fp32 inputs)."""
+    dev, e, h, f, topk, k = "cuda", 128, 2048, 768, 8, 64
+    gen = torch.Generator(device=dev).manual_seed(t)
+
+    def nvfp4(n, k_in):  # random codes, finite e4m3 scales in [2^-3, 2^4], one scale_2 per expert
+        return (torch.randint(0, 256, (e, n, k_in // 2), dtype=torch.uint8, device=dev, generator=gen),
+                torch.randint(0x20, 0x60, (e, n, k_in // 16), dtype=torch.uint8, device=dev,
+                              generator=gen).view(torch.float8_e4m3fn),
+                torch.rand(e, device=dev, generator=gen) * 1e-3 + 5e-4)
+
+    w13, w2 = nvfp4(2 * f, h), nvfp4(h, f)
+    x = (torch.randn(t, h, device=dev, generator=gen) * 2).to(dtype)
+    tw, ti = torch.topk(torch.randn(t, e, device=dev, generator=gen).softmax(-1), topk)
+    tw, ti = tw / tw.sum(-1, keepdim=True), ti.int()
+    if t == 16:
+        assert ti.unique().numel() < e  # some experts have no tokens
+    cg = torch.Generator().manual_seed(t)
+    c13, c2 = comp(h, k, cg).to(dev), comp(f, k, cg, e).to(dev)
+    kw = dict(act_mode=mode, w13_comp_index=c13, w2_comp_index=c2)
+    cols = dict(w13_comp_weight=rac_weight_columns(w13[0], w13[1], c13),
+                w2_comp_weight=rac_weight_columns(w2[0], w2[1], c2)) if mode == "w4a4_rac" else {}
+    out = w4a4_fused_moe(x, *w13, *w2, tw, ti, **kw, **cols, **TRITON)
+    ref = reference.w4a4_fused_moe(x, *w13, *w2, tw, ti, **kw)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) < (1.5 * FP32_TOL[mode] if dtype == torch.float32 else 8e-3)
 
 
 # ---- dispatch ---------------------------------------------------------------------------
@@ -374,6 +442,14 @@ def test_bad_inputs_give_clear_errors():
                        act_mode="w4a4")
     w4a4_fused_moe(x, *w13, *w2, tw, torch.tensor([[0, 3]] * 4, dtype=torch.int32),
                    act_mode="w4a4", check_inputs=False)
+    with pytest.raises(ValueError, match="RAC weight columns as fp16"):
+        w4a4_fused_moe(x, *w13, *w2, tw, torch.zeros(4, 2, dtype=torch.int32), act_mode="w4a4_rac",
+                       w13_comp_index=torch.arange(16, dtype=torch.int32),
+                       w2_comp_index=torch.arange(16, dtype=torch.int32),
+                       w13_comp_weight=torch.zeros(3, 64, 16), check_inputs=False)
+    with pytest.raises(ValueError, match="RAC weight columns as fp16"):
+        w4a4_linear(x, wd, ws, ws2, act_mode="w4a4_rac", comp_index=torch.arange(16, dtype=torch.int32),
+                    comp_weight=torch.zeros(32, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="one set per layer"):
         w4a4_fused_moe(x, *w13, *w2, tw, torch.zeros(4, 2, dtype=torch.int32),
                        act_mode="w4a4_rac",

@@ -1,0 +1,60 @@
+"""The RAC weight columns Wq[:, S]: built once per weight (load time / weight update), read by the Hopper GEMM's residual K-steps.
+
+RAC adds rq Wq[:, S]^T to the W4A4 product. Gathering k single columns out of the packed weight
+inside the GEMM (byte loads, nibble selects, per-element scale lookups) cost as much as the
+whole main loop on the H200, so the columns are stored instead, per expert, in the exact fp16
+form the main loop decodes to (e2m1 * e4m3 * 2^-7: at most 6 significant bits, |v| <= 21, an
+exact fp16), and the residual runs as k extra K-steps of plain fp16 MMA into the same fp32
+accumulator: bit-for-bit the products the gather form computed, so RAC stays exact. The fp32
+per-tensor scale (weight_scale_2) is applied in the GEMM epilogue, as for the main loop.
+
+Cost: 2 bytes per compensated channel and output row (+11% over the packed weight at
+k = 64, K = 2048; +30% at K = 768). Whoever owns the weights rebuilds the columns whenever the
+weight or the channels change (SGLang's `process_weights_after_loading`, the local engine's
+NVFP4 modules); the ops build them per call when none are passed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rac_weight_columns"]
+
+
+def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (int) -> fp32 values, by arithmetic (no lookup table: nothing is copied from the host)."""
+    mag = code & 0x7
+    exp, man = (mag >> 1).to(torch.float32), (mag & 0x1).to(torch.float32)
+    val = torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1.0) * (1.0 + 0.5 * man))
+    return torch.where((code & 0x8) != 0, -val, val)
+
+
+def rac_weight_columns(weight: torch.Tensor, weight_scale: torch.Tensor,
+                       comp_index: torch.Tensor) -> torch.Tensor:
+    """fp16 [..., N, k]: columns S of the NVFP4 weight as e2m1 * e4m3 * 2^-7 (exact; no weight_scale_2).
+
+    weight: packed codes uint8 [N, K//2] or [E, N, K//2] (ModelOpt layout, element 2i in the low
+    nibble); weight_scale: e4m3 [..., N, K//16] (float8_e4m3fn or its uint8 bits); comp_index:
+    int [k] (one set for every expert) or [E, k] (one set per expert). No host syncs."""
+    if weight.dtype != torch.uint8 or weight.ndim not in (2, 3):
+        raise ValueError(f"weight: expected packed codes uint8 [N, K//2] or [E, N, K//2], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    k_in = weight.shape[-1] * 2
+    if tuple(weight_scale.shape) != (*weight.shape[:-1], k_in // 16):
+        raise ValueError(f"weight_scale: expected shape {(*weight.shape[:-1], k_in // 16)}, got "
+                         f"{tuple(weight_scale.shape)}")
+    lead = weight.shape[:-1]
+    if comp_index.ndim == 2 and (weight.ndim != 3 or comp_index.shape[0] != weight.shape[0]):
+        raise ValueError(f"comp_index: one set per expert [E, k] needs weight [E, N, K//2] with the "
+                         f"same E, got comp_index {tuple(comp_index.shape)}, weight {tuple(weight.shape)}")
+    if comp_index.ndim not in (1, 2):
+        raise ValueError(f"comp_index: expected [k] or [E, k], got {tuple(comp_index.shape)}")
+    k = comp_index.shape[-1]
+    idx = comp_index.to(device=weight.device, dtype=torch.int64)
+    idx = idx.unsqueeze(-2) if idx.ndim == 2 else idx  # [E, 1, k] or [k]
+    idx = idx.expand(*lead, k)
+    byte = torch.gather(weight, -1, idx // 2).to(torch.int32)
+    code = (byte >> ((idx & 1) * 4).to(torch.int32)) & 0xF
+    sbits = torch.gather(weight_scale.view(torch.uint8), -1, idx // 16)
+    scale = sbits.view(torch.float8_e4m3fn).to(torch.float32)
+    return (_e2m1_value(code) * scale * 2.0 ** -7).to(torch.float16).contiguous()
