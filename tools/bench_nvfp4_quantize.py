@@ -84,12 +84,13 @@ def main():
     ref = nvfp4.fake_quantize(experts[5], check_finite=False)
     got = nvfp4.fake_quantize_grouped(experts)
     assert torch.equal(got[5].view(torch.int16), ref.view(torch.int16)), "grouped kernel != fake_quantize"
-    for br, bk, w, lag in [(8, 512, 4, 1), (4, 512, 4, 1), (16, 512, 8, 1), (8, 1024, 8, 1), (8, 256, 4, 1),
-                           (8, 512, 4, 2), (8, 512, 4, 4), (32, 256, 8, 1)]:
-        t = {"block_r": br, "block_k": bk, "num_warps": w, "lag": lag}
-        row(f"grouped fake-quant fc1 {br}x{bk} w{w} lag{lag}",
-            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_FUSED, fake=True, tile=t),
-            4 * ge)
+    amax, bad = nvfp4.amax_grouped(experts)
+    for br, bk, w in [(8, 256, 4), (4, 512, 4), (8, 512, 4), (16, 256, 4), (4, 256, 4), (8, 128, 4)]:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        row(f"grouped fake-quant fc1, amax given, {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, amax=amax,
+                                               bad=bad, tile=t), 4 * ge)
+    row("grouped fake-quant fc1 (amax + quantize launches)", lambda: nvfp4.fake_quantize_grouped(experts), 4 * ge)
     row("grouped quantize fc1 (default tile)", lambda: nvfp4.quantize_grouped(experts), 2.5625 * ge)
     row("grouped amax only fc1", lambda: nvfp4.amax_grouped(experts), 2 * ge)
     stacked = torch.stack(experts)

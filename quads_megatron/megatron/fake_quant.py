@@ -180,7 +180,7 @@ class ExpertsFakeQuant:
         """Fake-quantize every expert now (one launch; no autograd, valid under inference_mode too)."""
         with torch.inference_mode(False), torch.no_grad():
             # a fresh buffer: the previous step's value may still be saved for a backward
-            self._value = grouped_fake_quantize([w.detach() for w in self.weights], self.group)
+            self._value = grouped_fake_quantize(self.weights, self.group)
         self._keys = [self._key(w) for w in self.weights]
         return self._value
 

@@ -4,8 +4,8 @@
 per-expert weights of a Megatron ``SequentialMLP``, or gate/up/down from a weight stream, with no
 copy into a stack). Consecutive runs of ``scale_group`` matrices share one global scale (gate and
 up of one expert: 2; one expert's ``[gate; up]`` fc1 or its down projection: 1), so the results are
-bit-identical to ``core.quantize(x, amax=shared amax)`` per group. The amax is computed inside the
-launch unless given (a TP-sharded weight's amax is all-reduced first: ``amax_grouped`` then
+bit-identical to ``core.quantize(x, amax=shared amax)`` per group. The amax is one launch before the
+quantize launch unless given (a TP-sharded weight's amax is all-reduced first: ``amax_grouped`` then
 ``amax=``). No host sync: a group holding NaN/Inf gets a NaN global scale (the group then decodes
 to NaN, never to finite garbage); callers that must refuse it check the scales once, later.
 Backends as everywhere (``resolve_backend``): the Triton kernel, or the torch reference.
@@ -43,11 +43,14 @@ def _check(mats: Mats, scale_group: int, name: str) -> tuple:
         if not mats:
             raise InputError(f"{name}: no matrices given")
         first = mats[0]
-        for i, t in enumerate(mats):
-            if not isinstance(t, torch.Tensor) or t.ndim != 2:
-                raise InputError(f"{name}[{i}]: expected a 2-D tensor, got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-            if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+        if not isinstance(first, torch.Tensor) or first.ndim != 2:
+            raise InputError(f"{name}[0]: expected a 2-D tensor, got "
+                             f"{tuple(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__}")
+        shape, dtype, device = first.shape, first.dtype, first.device
+        for i, t in enumerate(mats):  # one cheap pass (a layer has hundreds of experts); details on failure
+            if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+                raise InputError(f"{name}[{i}]: expected a 2-D tensor, got {type(t).__name__}")
+            if t.shape != shape or t.dtype != dtype or t.device != device:
                 raise InputError(f"{name}[{i}]: {t.dtype} {tuple(t.shape)} on {t.device}; every matrix must "
                                  f"match {name}[0] ({first.dtype} {tuple(first.shape)} on {first.device})")
             if not t.is_contiguous():
@@ -85,7 +88,7 @@ def amax_grouped(mats: Mats, *, scale_group: int = 1, backend: Optional[str] = N
     m, r, k, _, device = _check(mats, scale_group, name)
     if resolve_backend(device, backend) == "triton":
         tk = _triton()
-        return tk.grouped(mats, scale_group, mode=tk.AMAX_ONLY, fake=False)
+        return tk.grouped(mats, scale_group, mode=tk.AMAX_ONLY)
     return _torch_amax(_stacked(mats, m // scale_group))
 
 
@@ -126,8 +129,10 @@ def quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=N
         amax, nonfinite = _given(amax, nonfinite, groups, device)
     if resolve_backend(device, backend) == "triton":
         tk = _triton()
-        mode = tk.AMAX_GIVEN if given else tk.AMAX_FUSED
-        data, scale, s_dec = tk.grouped(mats, scale_group, mode=mode, fake=False, amax=amax, bad=nonfinite,
+        table = tk.pointer_table(mats)
+        if not given:  # the amax pass, then the quantize pass: two launches, no host sync
+            amax, nonfinite = tk.grouped(table, scale_group, mode=tk.AMAX_ONLY)
+        data, scale, s_dec = tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, amax=amax, bad=nonfinite,
                                         out=out)
     else:
         x = _stacked(mats, groups)
@@ -158,8 +163,10 @@ def fake_quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfin
         amax, nonfinite = _given(amax, nonfinite, groups, device)
     if resolve_backend(device, backend) == "triton":
         tk = _triton()
-        mode = tk.AMAX_GIVEN if given else tk.AMAX_FUSED
-        return tk.grouped(mats, scale_group, mode=mode, fake=True, amax=amax, bad=nonfinite, out=out)[0]
+        table = tk.pointer_table(mats)
+        if not given:
+            amax, nonfinite = tk.grouped(table, scale_group, mode=tk.AMAX_ONLY)
+        return tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, fake=True, amax=amax, bad=nonfinite, out=out)[0]
     x = _stacked(mats, groups)
     s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
     d, sc = quantize_reference(x, s_enc, s_dec3)

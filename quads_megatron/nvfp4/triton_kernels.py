@@ -265,47 +265,21 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _grouped_ticket(i, T, G, L):
-        """Ticket i -> (phase 0 amax | 1 quantize, scale group, tile). Order: amax of groups 0..L-1,
-        then blocks [amax of g+L, quantize of g], then the last L quantizes; so every quantize
-        ticket comes after all amax tickets of its group, and the next group's amax pass runs while
-        this group's tiles are still in L2."""
-        head = L * T
-        mid = 2 * T * (G - L)
-        j = tl.maximum(i - head, 0)
-        b = j // (2 * T)
-        r = j % (2 * T)
-        j2 = tl.maximum(j - mid, 0)
-        in_head = i < head
-        in_mid = j < mid
-        phase = tl.where(in_head, 0, tl.where(in_mid, (r >= T).to(tl.int32), 1))
-        g = tl.where(in_head, i // T, tl.where(in_mid, tl.where(r >= T, b, b + L), G - L + j2 // T))
-        t = tl.where(in_head, i % T, tl.where(in_mid, r % T, j2 % T))
-        return phase, g, t
-
-    @triton.jit
-    def _grouped_kernel(tab_ptr, q_ptr, s_ptr, dqw_ptr, sdec_ptr, amax_ptr, bad_ptr, sync_ptr,
-                        R, K, G, LAG,
+    def _grouped_kernel(tab_ptr, q_ptr, s_ptr, dqw_ptr, sdec_ptr, amax_ptr, bad_ptr, R, K,
                         GROUP: tl.constexpr, MODE: tl.constexpr, FAKE: tl.constexpr,
                         IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        """NVFP4 of G scale groups of GROUP matrices [R, K] each (pointer table `tab_ptr`), one
-        global scale per group, outputs stacked [G * GROUP, R, ...].
-
-        A program owns BLOCK_R rows (all K) of one group. MODE 1 computes the amax in the same
-        launch: programs take tickets in arrival order (`sync_ptr[0]`); an amax ticket adds its max
-        to `amax_ptr[g]` and counts itself in `sync_ptr[1 + g]`, a quantize ticket waits for that
-        count. A ticket only waits for smaller tickets, taken by programs already running, so the
-        grid cannot deadlock (and the CPU interpreter, running programs in order, never waits).
-        MODE 0: `amax_ptr` / `bad_ptr` are given; MODE 2: amax pass only. A group holding NaN/Inf
-        gets a NaN S_dec (`bad_ptr`), so it decodes to NaN and never to finite garbage."""
+        """NVFP4 of G scale groups of GROUP matrices [R, K] each (pointer table `tab_ptr`), one global
+        scale per group, outputs stacked [G * GROUP, R, ...]; a program owns BLOCK_R rows (all of K)
+        of one group. MODE 2: the amax pass (max|x| and a NaN/Inf flag per group, atomics into
+        `amax_ptr` / `bad_ptr`); MODE 0: quantize with those. A group holding NaN/Inf gets a NaN S_dec,
+        so it decodes to NaN and never to finite garbage. (Doing both in one launch, quantize programs
+        waiting on per-group counters, measured 1.1x slower than two launches on the H200.)"""
         NB: tl.constexpr = BLOCK_K // 16
         GR = GROUP * R
         T = tl.cdiv(GR, BLOCK_R)
-        if MODE == 1:
-            phase, g, t = _grouped_ticket(tl.atomic_add(sync_ptr, 1), T, G, tl.minimum(LAG, G))
-        else:
-            pid = tl.program_id(0)
-            phase, g, t = 1 - MODE // 2, pid // T, pid % T
+        pid = tl.program_id(0)
+        g = pid // T
+        t = pid % T
         gr = t * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = gr < GR
         mat = g * GROUP + gr // R
@@ -318,7 +292,7 @@ if triton is not None:
             rows_ptr = row_addr.to(tl.pointer_type(tl.int32))
         out_row = (g * GR + gr).to(tl.int64)
         cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        if phase == 0:
+        if MODE == 2:
             m = tl.zeros((BLOCK_R, NB, 8), tl.float32)
             nonfinite = tl.zeros((BLOCK_R, NB, 8), tl.int32)
             for k0 in range(0, K // 2, BLOCK_K // 2):
@@ -331,15 +305,9 @@ if triton is not None:
                 nonfinite = tl.maximum(nonfinite, tl.where(ok, 0, 1))
             tl.atomic_max(amax_ptr + g, tl.max(tl.max(tl.max(m, axis=2), axis=1), axis=0))
             tl.atomic_max(bad_ptr + g, tl.max(tl.max(tl.max(nonfinite, axis=2), axis=1), axis=0))
-            if MODE == 1:
-                tl.atomic_add(sync_ptr + 1 + g, 1, sem="release")
         else:
-            if MODE == 1:
-                n = tl.atomic_add(sync_ptr + 1 + g, 0, sem="acquire")
-                while n < T:
-                    n = tl.atomic_add(sync_ptr + 1 + g, 0, sem="acquire")
-            amax = tl.atomic_max(amax_ptr + g, 0.0)                              # a coherent read
-            bad = tl.atomic_max(bad_ptr + g, 0)
+            amax = tl.load(amax_ptr + g)
+            bad = tl.load(bad_ptr + g)
             s_enc, s_dec = global_scales(amax)
             s_out = tl.where((bad > 0) | (amax != amax), float("nan"), s_dec)
             if t == 0:
@@ -495,11 +463,11 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     return out.view(torch.bfloat16) if bf16 else out
 
 
-GROUPED_TILE = {"block_r": 8, "block_k": 512, "num_warps": 4, "lag": 1}
-"""Launch shape of the grouped kernel: rows per program, K per inner step, warps, and how many
-scale groups' amax passes run ahead of the quantize passes (docs/benchmarks.md)."""
+GROUPED_TILE = {"block_r": 8, "block_k": 256, "num_warps": 4}
+"""Launch shape of the grouped kernel: rows per program, K per inner step, warps (the best of six
+measured on the H200, docs/benchmarks.md)."""
 
-AMAX_FUSED, AMAX_GIVEN, AMAX_ONLY = 1, 0, 2
+AMAX_GIVEN, AMAX_ONLY = 0, 2
 
 
 def pointer_table(mats) -> tuple:
@@ -517,45 +485,44 @@ def pointer_table(mats) -> tuple:
     return table, len(mats), first.shape[0], first.shape[1], first.dtype, first.device
 
 
-def grouped(mats, group: int, *, mode: int, fake: bool, amax=None, bad=None, out=None,
+def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=None, out=None,
             tile=None):
     """The grouped NVFP4 kernel over M = G * group matrices (see `_grouped_kernel`), one launch.
+    `mats`: the matrices, or their `pointer_table` (built once for the amax and the quantize launch).
 
-    mode AMAX_FUSED: amax computed in the launch; AMAX_GIVEN: `amax` / `bad` ([G] fp32 / int32);
-    AMAX_ONLY: returns (amax, bad). Otherwise returns the fake-quantized [M, R, K] tensor (fake) or
-    (data uint8 [M, R, K/2], scale e4m3 [M, R, K/16], S_dec [G]); `out` gives those buffers."""
+    mode AMAX_ONLY: returns (amax fp32 [G], nonfinite int32 [G]); AMAX_GIVEN: quantizes with `amax`
+    / `bad` and returns the fake-quantized [M, R, K] tensor (fake) or (data uint8 [M, R, K/2], scale
+    e4m3 [M, R, K/16], S_dec [G]); `out` gives those buffers."""
     _require_triton()
-    table, m, r, k, dtype, device = pointer_table(mats)
+    table, m, r, k, dtype, device = mats if isinstance(mats, tuple) else pointer_table(mats)
     if m % group:
         raise ValueError(f"grouped NVFP4: {m} matrices do not split into scale groups of {group}")
     g = m // group
     kind = _WORDS[dtype][1]
     t = dict(GROUPED_TILE, **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
-    ws = torch.zeros(1 + 3 * g, dtype=torch.int32, device=device)
-    sync, bad_ws, amax_ws = ws[:1 + g], ws[1 + g:1 + 2 * g], ws[1 + 2 * g:].view(torch.float32)
-    if mode == AMAX_GIVEN:
-        amax_ws.copy_(amax.reshape(g))
-        if bad is not None:
-            bad_ws.copy_(bad.reshape(g))
     if mode == AMAX_ONLY:
+        ws = torch.zeros(2 * g, dtype=torch.int32, device=device)
+        bad_ws, amax_ws = ws[:g], ws[g:].view(torch.float32)
         q = s = dq = sdec = amax_ws
-    elif fake:
-        dq_t = out if out is not None else torch.empty((m, r, k), dtype=dtype, device=device)
-        dq = _words(dq_t)[0]
-        q = s = dq
-        sdec = torch.empty(g, dtype=torch.float32, device=device)
     else:
-        data, scale, sdec = out if out is not None else (
-            torch.empty((m, r, k // 2), dtype=torch.uint8, device=device),
-            torch.empty((m, r, k // 16), dtype=torch.uint8, device=device),
-            torch.empty(g, dtype=torch.float32, device=device))
-        q, s, dq = data, scale.view(torch.uint8), data
-    tiles = triton.cdiv(group * r, t["block_r"]) * g
-    grid = (2 * tiles if mode == AMAX_FUSED else tiles,)
-    _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, sync, r, k, g, t["lag"],
-                          GROUP=group, MODE=mode, FAKE=fake, IN_KIND=kind, BLOCK_R=t["block_r"],
-                          BLOCK_K=block_k, num_warps=t["num_warps"])
+        amax_ws = amax.reshape(g).to(device=device, dtype=torch.float32).contiguous()
+        bad_ws = (torch.zeros(g, dtype=torch.int32, device=device) if bad is None
+                  else bad.reshape(g).to(device=device, dtype=torch.int32).contiguous())
+        if fake:
+            dq_t = out if out is not None else torch.empty((m, r, k), dtype=dtype, device=device)
+            dq = _words(dq_t)[0]
+            q = s = dq
+            sdec = torch.empty(g, dtype=torch.float32, device=device)
+        else:
+            data, scale, sdec = out if out is not None else (
+                torch.empty((m, r, k // 2), dtype=torch.uint8, device=device),
+                torch.empty((m, r, k // 16), dtype=torch.uint8, device=device),
+                torch.empty(g, dtype=torch.float32, device=device))
+            q, s, dq = data, scale.view(torch.uint8), data
+    grid = (triton.cdiv(group * r, t["block_r"]) * g,)
+    _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, r, k, GROUP=group, MODE=mode, FAKE=fake,
+                          IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, num_warps=t["num_warps"])
     if mode == AMAX_ONLY:
         return amax_ws, bad_ws
     if fake:
