@@ -193,8 +193,13 @@ if triton is not None:
         c_hi, v_hi = e2m1_round(tl.minimum(tl.abs(hi * enc[:, :, None]), 6.0))
         neg_lo = lo < 0
         neg_hi = hi < 0
-        packed = (c_lo | (neg_lo.to(tl.int32) << 3) | (c_hi << 4) | (neg_hi.to(tl.int32) << 7)).to(tl.uint8)
-        return packed, sf_bits, sf_val, tl.where(neg_lo, -v_lo, v_lo), tl.where(neg_hi, -v_hi, v_hi)
+        s_lo = neg_lo.to(tl.int32)
+        s_hi = neg_hi.to(tl.int32)
+        packed = (c_lo | (s_lo << 3) | (c_hi << 4) | (s_hi << 7)).to(tl.uint8)
+        # the sign as a bit: negating in fp arithmetic may compile to 0 - v, which loses -0.0
+        signed_lo = (v_lo.to(tl.int32, bitcast=True) | (s_lo << 31)).to(tl.float32, bitcast=True)
+        signed_hi = (v_hi.to(tl.int32, bitcast=True) | (s_hi << 31)).to(tl.float32, bitcast=True)
+        return packed, sf_bits, sf_val, signed_lo, signed_hi
 
     @triton.jit
     def _quantize_kernel(xw_ptr, q_ptr, s_ptr, dqw_ptr, senc_ptr, sdec_ptr, R, K,
@@ -463,9 +468,10 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     return out.view(torch.bfloat16) if bf16 else out
 
 
-GROUPED_TILE = {"block_r": 8, "block_k": 256, "num_warps": 4}
-"""Launch shape of the grouped kernel: rows per program, K per inner step, warps (the best of six
-measured on the H200, docs/benchmarks.md)."""
+GROUPED_TILE = {"block_r": 4, "block_k": 256, "num_warps": 4}
+GROUPED_AMAX_TILE = {"block_r": 8, "block_k": 512, "num_warps": 4}
+"""Launch shapes of the grouped kernel's quantize and amax launches: rows per program, K per inner
+step, warps (the best measured on the H200, docs/benchmarks.md)."""
 
 AMAX_GIVEN, AMAX_ONLY = 0, 2
 
@@ -499,7 +505,7 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
         raise ValueError(f"grouped NVFP4: {m} matrices do not split into scale groups of {group}")
     g = m // group
     kind = _WORDS[dtype][1]
-    t = dict(GROUPED_TILE, **(tile or {}))
+    t = dict(GROUPED_AMAX_TILE if mode == AMAX_ONLY else GROUPED_TILE, **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
     if mode == AMAX_ONLY:
         ws = torch.zeros(2 * g, dtype=torch.int32, device=device)
