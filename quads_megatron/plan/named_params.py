@@ -88,6 +88,7 @@ def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
     the stream ends inside a scale group.
     """
     pending, batches, done = {}, {}, []
+    batch_layer = None
 
     def flush():
         for b in batches.values():
@@ -96,8 +97,7 @@ def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
         batches.clear()
 
     for name, tensor in named_tensors:
-        layer = _layer_of(name)
-        if batches and any(key[0] != layer for key in batches):
+        if batches and _layer_of(name) != batch_layer:
             yield from flush()
         t = plan[name]
         if t is None or not t.quantized:
@@ -114,7 +114,11 @@ def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
         tensors = [group[n] for n in names]
         if t.expert is not None and tuple(t.block_shape) == (1, 16):
             role = tuple(n.split(".")[-2] for n in names)
-            batches.setdefault((t.layer, role), _ExpertBatch(t.layer, role)).groups.append((t.expert, names, tensors))
+            batch = batches.get(role)
+            if batch is None:
+                batch = batches[role] = _ExpertBatch(t.layer, role)
+            batch.groups.append((t.expert, names, tensors))
+            batch_layer = t.layer
             continue
         yield names, tensors, _quantize_group(names, tensors, t.block_shape)
     yield from flush()
