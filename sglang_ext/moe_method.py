@@ -34,6 +34,7 @@ from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
+from sglang_ext import bf16_sync
 from sglang_ext.kernels import w4a4_fused_moe
 from sglang_ext.kernels.rac_columns import rac_weight_columns
 
@@ -117,6 +118,8 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             p = Parameter(data, requires_grad=False)
             layer.register_parameter(pname, p)
             checked = checked_loader(weight_loader, functools.partial(self._check_loaded, layer, pname))
+            if pname in ("w13_weight", "w2_weight"):  # a BF16 weight sync sends these unquantized
+                checked = functools.partial(self._load_weight, layer, checked)
             set_weight_attrs(p, {"weight_loader": checked, **attrs})
 
         add("w13_weight", torch.empty(e, 2 * f, h // 2, dtype=torch.uint8))
@@ -171,6 +174,17 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             layer.quads_slices.mark(pname, [(e, shard_id) for e in _local_slots(layer, expert_id)])
         return loaded
 
+    def _load_weight(self, layer, checked, param, loaded_weight, weight_name: str = "", shard_id: str = "",
+                     expert_id: int = -1, *args, **kwargs):
+        """Packed NVFP4 codes load as they are; a high-precision expert weight (a BF16 RL weight sync) is
+        staged and quantized at the end of the update (`sglang_ext.bf16_sync`)."""
+        if loaded_weight.is_floating_point():
+            if shard_id not in _PROJ:
+                raise CheckpointError(f"{weight_name}: expert shard must be w1, w2 or w3, got {shard_id!r}")
+            name = f"{self.prefix or 'experts'}.{expert_id}.{_PROJ[shard_id]}.weight"
+            return bf16_sync.stage(layer, name, loaded_weight, shard_id, expert_id)
+        return checked(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+
     def _global_id(self, layer: torch.nn.Module, local: int) -> int:
         return local + layer.moe_ep_rank * layer.num_local_experts
 
@@ -214,6 +228,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = self.prefix or "FusedMoE"
+        bf16_sync.quantize_staged(layer, _local_slots, self.tensor_name)
         self._check_complete(layer)
         ws13 = layer.w13_weight_scale_2.detach()
         differ = (ws13[:, 0] != ws13[:, 1]).nonzero().flatten().tolist()

@@ -102,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-server-args", default="", help="extra flags for the launched server (one string)")
     g.add_argument("--sglang-router-url", default=None,
                    help="generate through this SGLang router; weights still go to every --sglang-url worker")
-    g.add_argument("--sglang-weight-sync", choices=["tensor", "disk"], default="tensor")
+    g.add_argument("--sglang-weight-sync", choices=["tensor", "tensor-bf16", "disk"], default="tensor",
+                   help="tensor: NVFP4 tensors (quantized on the trainer's GPU, 0.56 B/weight) through "
+                        "update_weights_from_tensor; tensor-bf16: BF16 expert weights (2 B/weight), the server "
+                        "quantizes them (routed-experts scope only); disk: NVFP4 safetensors in --sglang-sync-dir")
     g.add_argument("--sglang-sync-dir", default=None, help="directory for --sglang-weight-sync disk")
 
     g = p.add_argument_group("logging and checkpoints")
@@ -365,6 +368,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_paths(args)
     check_checkpoint_flags(args, explicit_load)
     args.recipe = resolve_recipe(args)
+    if args.rollout_engine == "sglang" and args.sglang_weight_sync == "tensor-bf16" and \
+            vocab.Scope.ATTENTION in args.recipe.scope:
+        raise ConfigError("--sglang-weight-sync tensor-bf16: the server quantizes routed experts only; with "
+                          "--quads-scope attention use --sglang-weight-sync tensor (NVFP4 from the trainer)")
     if args.rollout_engine == "sglang" and args.recipe.rollout_precision.local_only:
         raise ConfigError(f"--rollout-precision {args.recipe.rollout_precision.value}: runs in the local engine only "
                           "(no SGLang checkpoint format); use --rollout-engine local")

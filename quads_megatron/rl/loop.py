@@ -172,7 +172,7 @@ class GRPOTrainer:
         measure_error: the engine also measures its NVFP4 weight error (for quant_error_report).
         """
         sglang = self.args.rollout_engine == "sglang"
-        weights = self.policy.hf_weights(quantized=sglang)
+        weights = self.policy.hf_weights(quantized=sglang and self.engine.sends_nvfp4)
         if sglang and not _rank0():
             for _ in weights:
                 pass

@@ -126,3 +126,25 @@ def test_router_generates_through_router(servers):
     eng = SGLangEngine([worker.url], max_seq_len=32, router_url=router.url)
     eng.generate([[2, 3]] * 2, SamplingParams(max_new_tokens=2, stop_token_ids=[1]), seed=0)
     assert "/generate" in router.paths() and "/generate" not in worker.paths()
+
+
+def test_bf16_weight_sync_sends_high_precision_tensors(servers):
+    """--sglang-weight-sync tensor-bf16: the trainer skips its NVFP4 step; the same endpoint gets BF16."""
+    s = servers(tp_size=1)
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="tensor-bf16")
+    assert not eng.sends_nvfp4 and SGLangEngine([s.url], max_seq_len=32).sends_nvfp4
+    w = [("model.layers.0.mlp.experts.1.down_proj.weight", torch.randn(8, 32).to(torch.bfloat16))]
+    eng.update_weights(w)
+    assert [p for p in s.paths() if "weight" in p] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                                        "/end_weight_update"]
+    ((name, t),) = s.received[0]
+    assert name == w[0][0] and t.dtype == torch.bfloat16 and torch.equal(t, w[0][1])
+
+
+def test_bf16_weight_sync_refuses_an_attention_scope():
+    from quads_megatron.errors import ConfigError
+    from quads_megatron.rl.arguments import parse_args
+
+    with pytest.raises(ConfigError, match="tensor-bf16: the server quantizes routed experts only"):
+        parse_args(["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:9", "--sglang-weight-sync",
+                    "tensor-bf16", "--quads-scope", "routed_experts", "attention"])

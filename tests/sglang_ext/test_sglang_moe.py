@@ -166,3 +166,59 @@ def test_twenty_reload_cycles_keep_identity_and_outputs(sglang_runtime, monkeypa
             layer.w13_weight, layer.w13_weight_scale, layer.w13_comp_index))
         assert torch.equal(layer.w2_comp_weight, rac_weight_columns(
             layer.w2_weight, layer.w2_weight_scale, layer.w2_input_comp_index))
+
+
+def _bf16_update(seed: int, ckpt: dict) -> dict:
+    """A BF16 weight sync of the layer: per-expert HF weights, other tensors (input scales, RAC) as NVFP4 sends them."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v for k, v in ckpt.items() if not k.endswith(("weight", "weight_scale", "weight_scale_2"))}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
+            out[f"experts.{e}.{proj}.weight"] = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
+    return out
+
+
+def test_bf16_weight_sync_is_quantized_on_the_server_like_the_export(sglang_runtime, monkeypatch, routed):
+    """--sglang-weight-sync tensor-bf16: the layer quantizes BF16 experts at the end of the update into its
+    NVFP4 parameters in place; the result equals loading the trainer's NVFP4 export of the same weights."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from quads_megatron import nvfp4
+
+    monkeypatch.setenv("QUADS_BACKEND", "torch")
+    x, topk = routed
+    cfg = _config("w4a4_rac", "static")
+    layer = _build(cfg)
+    model = torch.nn.ModuleDict({"experts": layer})
+    base = _expert_checkpoint(70)
+    _load(layer, base)
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    ids = {n: p.data_ptr() for n, p in layer.named_parameters()}
+    update = _bf16_update(71, base)
+    exported = dict(base)  # the same weights as the trainer's exporter writes them
+    for e in range(E):
+        pre = f"experts.{e}"
+        gate, up = nvfp4.quantize_with_shared_scale([update[f"{pre}.gate_proj.weight"], update[f"{pre}.up_proj.weight"]])
+        for proj, q in (("gate_proj", gate), ("up_proj", up), ("down_proj", nvfp4.quantize(update[f"{pre}.down_proj.weight"]))):
+            for key, v in q.to_modelopt().items():
+                exported[f"{pre}.{proj}.{key}"] = v
+    DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
+    _load(layer, update)
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    assert {n: p.data_ptr() for n, p in layer.named_parameters()} == ids
+    want = _expected(x, topk.topk_weights, topk.topk_ids, exported, cfg)
+    torch.testing.assert_close(layer(x, topk), want, rtol=0, atol=0)
+    assert torch.equal(layer.w13_weight[2, F:], exported["experts.2.up_proj.weight"])
+    # an expert missing a projection, or a non-finite weight, is refused by name
+    DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
+    broken = dict(update)
+    del broken["experts.1.down_proj.weight"]
+    _load(layer, broken)
+    with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight: missing from the BF16 weight update"):
+        layer.quant_method.process_weights_after_loading(layer)
+    broken = dict(update)
+    broken["experts.3.up_proj.weight"] = broken["experts.3.up_proj.weight"].clone()
+    broken["experts.3.up_proj.weight"][0, 0] = float("nan")
+    _load(layer, broken)
+    with pytest.raises(ValueError, match=r"experts\.3\.gate_proj\.weight: NaN or Inf"):
+        layer.quant_method.process_weights_after_loading(layer)

@@ -13,6 +13,9 @@ import torch
 from .base import Rollout, RolloutEngine, SamplingParams, check_prompt_lengths
 
 
+SYNC_MODES = ("tensor", "tensor-bf16", "disk")
+
+
 class SGLangError(RuntimeError):
     """A server answered with an error or could not be reached."""
 
@@ -21,8 +24,10 @@ class SGLangEngine(RolloutEngine):
     """Spreads prompts over one or more SGLang URLs; syncs weights inside begin/end_weight_update.
 
     Weight sync modes: "tensor" (update_weights_from_tensor: tensors handed over through shared
-    memory, so trainer and server must share a host) or "disk" (safetensors written to
-    `sync_dir`, then update_weights_from_disk; works across hosts with a shared filesystem).
+    memory / CUDA IPC, so trainer and server must share a host), "tensor-bf16" (the same with BF16
+    expert weights, which the server's quads MoE method quantizes: `sends_nvfp4` is False) or "disk"
+    (safetensors written to `sync_dir`, then update_weights_from_disk; works across hosts with a
+    shared filesystem).
     Log-probs come from SGLang's `output_token_logprobs`, i.e. softmax(logits / temperature).
     With `router_url` (an SGLang router) generation goes through the router and weight updates
     go to every worker URL.
@@ -34,8 +39,8 @@ class SGLangEngine(RolloutEngine):
 
         if not urls:
             raise ValueError("SGLang engine: no --sglang-url given")
-        if weight_sync not in ("tensor", "disk"):
-            raise ValueError(f"--sglang-weight-sync {weight_sync!r}: expected 'tensor' or 'disk'")
+        if weight_sync not in SYNC_MODES:
+            raise ValueError(f"--sglang-weight-sync {weight_sync!r}: expected one of {SYNC_MODES}")
         self.urls = [u.rstrip("/") for u in urls]
         self.max_seq_len = max_seq_len
         self.weight_sync = weight_sync
@@ -119,13 +124,18 @@ class SGLangEngine(RolloutEngine):
         return [r for f in futs for r in f.result()]
 
     # ------------------------------------------------------------------ weights
+    @property
+    def sends_nvfp4(self) -> bool:
+        """True when the trainer quantizes before the sync (False: BF16 goes out, the server quantizes)."""
+        return self.weight_sync != "tensor-bf16"
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> None:
-        """measure_error: ignored (the server quantizes nothing; the trainer sends NVFP4)."""
+        """measure_error: ignored (the weight error is the trainer's export error, measured there)."""
         named = [(k, v.detach().contiguous()) for k, v in named_tensors]
         for u in self.urls:
             self._post(u, "/begin_weight_update", {})
         try:
-            if self.weight_sync == "tensor":
+            if self.weight_sync in ("tensor", "tensor-bf16"):
                 self._sync_tensor(named)
             else:
                 self._sync_disk(named)
