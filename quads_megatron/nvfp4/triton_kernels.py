@@ -272,8 +272,7 @@ if triton is not None:
     @triton.jit
     def _grouped_kernel(tab_ptr, q_ptr, s_ptr, dqw_ptr, sdec_ptr, amax_ptr, bad_ptr, R, K,
                         GROUP: tl.constexpr, MODE: tl.constexpr, FAKE: tl.constexpr,
-                        IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PACK_WORDS: tl.constexpr = False):
+                        IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """NVFP4 of G scale groups of GROUP matrices [R, K] each (pointer table `tab_ptr`), one global
         scale per group, outputs stacked [G * GROUP, R, ...]; a program owns BLOCK_R rows (all of K)
         of one group. MODE 2: the amax pass (max|x| and a NaN/Inf flag per group, atomics into
@@ -327,17 +326,7 @@ if triton is not None:
                     sf = sf_val[:, :, None]
                     store_pairs(dqw_ptr + woffs, v_lo * sf * s_out, v_hi * sf * s_out, mask, IN_KIND)
                 else:
-                    if PACK_WORDS:  # four code bytes per 32-bit store
-                        p5 = tl.reshape(packed.to(tl.int32), (BLOCK_R, NB, 2, 2, 2))
-                        b0, b1 = tl.split(p5)
-                        h0, h1 = tl.split(b0 | (b1 << 8))
-                        words = h0 | (h1 << 16)                                   # [BLOCK_R, NB, 2]
-                        wc = tl.arange(0, NB)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-                        tl.store(q_ptr.to(tl.pointer_type(tl.int32)) + out_row[:, None, None] * (K // 8)
-                                 + k0 // 4 + wc, words,
-                                 mask=rmask[:, None, None] & (k0 // 4 + wc < K // 8))
-                    else:
-                        tl.store(q_ptr + woffs, packed, mask=mask)
+                    tl.store(q_ptr + woffs, packed, mask=mask)
                     blocks = k0 // 8 + tl.arange(0, NB)[None, :]
                     tl.store(s_ptr + out_row[:, None] * (K // 16) + blocks, sf_bits,
                              mask=rmask[:, None] & (blocks < K // 16))
@@ -539,8 +528,7 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
             q, s, dq = data, scale.view(torch.uint8), data
     grid = (triton.cdiv(group * r, t["block_r"]) * g,)
     _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, r, k, GROUP=group, MODE=mode, FAKE=fake,
-                          IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, num_warps=t["num_warps"],
-                          PACK_WORDS=t.get("pack_words", False))
+                          IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, num_warps=t["num_warps"])
     if mode == AMAX_ONLY:
         return amax_ws, bad_ws
     if fake:
