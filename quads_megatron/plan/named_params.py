@@ -50,16 +50,14 @@ class _ExpertBatch:
 
     def quantize(self, destination: Optional[Destination]) -> list:
         self.groups.sort(key=lambda g: g[0])
-        mats = [t for _, _, ts in self.groups for t in ts]
+        mats = [t for _, _, ts in self.groups for t in ts]   # shapes, dtypes, devices: checked by quantize_grouped
         first = mats[0]
-        if any((t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device) for t in mats):
-            return [(ns, ts, _quantize_group(ns, ts, (1, 16))) for _, ns, ts in self.groups]
         experts = [e for e, _, _ in self.groups]
         out = destination(self.layer, self.role, experts) if destination is not None else None
         if out is not None and out[0].device != first.device:
             out = None  # the engine's buffers live elsewhere: quantize here, the caller copies
         names = [n for _, ns, _ in self.groups for n in ns]
-        mats = [t.contiguous() for t in mats]
+        mats = [t if t.is_contiguous() else t.contiguous() for t in mats]
         q = nvfp4.quantize_grouped(mats, scale_group=len(self.role), out=out,
                                    name=f"model.layers.{self.layer} experts {'+'.join(self.role)}")
         n = len(self.role)
