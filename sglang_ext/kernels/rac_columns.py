@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rac_weight_columns"]
+__all__ = ["rac_weight_columns", "RacColumns"]
 
 
 def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
@@ -58,3 +58,38 @@ def rac_weight_columns(weight: torch.Tensor, weight_scale: torch.Tensor,
     sbits = torch.gather(weight_scale.view(torch.uint8), -1, idx // 16)
     scale = sbits.view(torch.float8_e4m3fn).to(torch.float32)
     return (_e2m1_value(code) * scale * 2.0 ** -7).to(torch.float16).contiguous()
+
+
+def _stamp(t: torch.Tensor):
+    """What identifies a tensor's current contents without reading them: identity, storage and the
+    in-place write counter (inference tensors have none: never equal, so always rebuilt)."""
+    try:
+        version = t._version
+    except RuntimeError:
+        version = object()
+    return id(t), t.data_ptr(), version
+
+
+class RacColumns:
+    """`rac_weight_columns` of weights that are written in place (the local engine's NVFP4 buffers).
+
+    `get(weight, weight_scale, comp_index)` rebuilds the columns when any of the three was written
+    or rebound since the last call (torch's version counters: host-side, no sync) and returns
+    the same tensor otherwise; a rebuild writes into the tensor it returned before when the shape
+    allows, so a CUDA graph captured on it replays the new columns."""
+
+    def __init__(self):
+        self.columns = None
+        self._key = None
+
+    def get(self, weight: torch.Tensor, weight_scale: torch.Tensor, comp_index: torch.Tensor) -> torch.Tensor:
+        key = tuple(_stamp(t) for t in (weight, weight_scale, comp_index))
+        if key != self._key or self.columns is None:
+            cols = rac_weight_columns(weight, weight_scale, comp_index)
+            old = self.columns
+            if old is not None and old.shape == cols.shape and old.device == cols.device:
+                old.copy_(cols)
+            else:
+                self.columns = cols
+            self._key = key
+        return self.columns

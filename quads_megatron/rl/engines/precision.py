@@ -189,16 +189,30 @@ class NVFP4Experts(_QuantExperts):
     def dequantized(self, which: str) -> torch.Tensor:
         return _dequantize(getattr(self, which), getattr(self, f"{which}_scale"), getattr(self, f"{which}_scale_2"))
 
+    def _rac_columns(self) -> tuple:
+        """(fc1, fc2) RAC weight columns Wq[:, S] the kernels' residual K-steps read, rebuilt in place
+        when a weight load or a calibration changed the buffers or channels since the last eager
+        forward (the engine's prefill runs eagerly before its decode graph replays)."""
+        if not hasattr(self, "_rac_cols"):
+            from sglang_ext.kernels.rac_columns import RacColumns
+
+            self._rac_cols = (RacColumns(), RacColumns())
+        c13, c2 = self._rac_cols
+        return (c13.get(self.w13, self.w13_scale, self.w13_comp_index),
+                c2.get(self.w2, self.w2_scale, self.w2_comp_index))
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.stats is not None:
             return self._calibration_forward(hidden_states, top_k_index, top_k_weights)
         if self.precision.uses_rac and self.w13_comp_index is None:
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
+        cols13, cols2 = self._rac_columns() if self.precision.uses_rac else (None, None)
         return _kernels().w4a4_fused_moe(
             hidden_states, self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
             self.w2_scale_2, top_k_weights, top_k_index, act_mode=self.precision.value,
             w13_comp_index=self.w13_comp_index, w2_comp_index=self.w2_comp_index,
-            w13_input_scale=self.w13_input_scale, w2_input_scale=self.w2_input_scale)
+            w13_input_scale=self.w13_input_scale, w2_input_scale=self.w2_input_scale,
+            w13_comp_weight=cols13, w2_comp_weight=cols2)
 
 
 class NVFP4Linear(nn.Module):
@@ -233,9 +247,16 @@ class NVFP4Linear(nn.Module):
             return (x.float() @ self.dequantized().t()).to(x.dtype)
         if self.precision.uses_rac and self.comp_index is None:
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
+        cols = None
+        if self.precision.uses_rac:  # Wq[:, S], rebuilt in place after a weight load / calibration
+            if not hasattr(self, "_rac_cols"):
+                from sglang_ext.kernels.rac_columns import RacColumns
+
+                self._rac_cols = RacColumns()
+            cols = self._rac_cols.get(self.weight, self.weight_scale, self.comp_index)
         return _kernels().w4a4_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
                                       act_mode=self.precision.value, comp_index=self.comp_index,
-                                      input_scale=self.input_scale)
+                                      input_scale=self.input_scale, comp_weight=cols)
 
 
 def graph_safe(module) -> bool:
