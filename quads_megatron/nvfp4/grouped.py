@@ -101,6 +101,25 @@ def _given(amax, nonfinite, groups: int, device) -> tuple:
     return amax, bad
 
 
+def _prepare(mats, scale_group, amax, nonfinite, groups, device, backend) -> tuple:
+    """(amax, nonfinite, triton launch or None). On Triton: one pointer table, the amax pass when no
+    amax is given (its own launch, no host sync), and a function running the quantize pass."""
+    given = amax is not None
+    if given:
+        amax, nonfinite = _given(amax, nonfinite, groups, device)
+    if resolve_backend(device, backend) != "triton":
+        return amax, nonfinite, None
+    tk = _triton()
+    table = tk.pointer_table(mats)
+    if not given:
+        amax, nonfinite = tk.grouped(table, scale_group, mode=tk.AMAX_ONLY)
+
+    def launch(fake, out):
+        return tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, fake=fake, amax=amax, bad=nonfinite, out=out)
+
+    return amax, nonfinite, launch
+
+
 def _torch_scales(x, amax, nonfinite):
     """(S_enc [G,1,1], S_dec [G,1,1], S_dec with NaN for non-finite groups [G])."""
     if amax is None:
@@ -124,16 +143,9 @@ def quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=N
     """
     m, r, k, _, device = _check(mats, scale_group, name)
     groups = m // scale_group
-    given = amax is not None
-    if given:
-        amax, nonfinite = _given(amax, nonfinite, groups, device)
-    if resolve_backend(device, backend) == "triton":
-        tk = _triton()
-        table = tk.pointer_table(mats)
-        if not given:  # the amax pass, then the quantize pass: two launches, no host sync
-            amax, nonfinite = tk.grouped(table, scale_group, mode=tk.AMAX_ONLY)
-        data, scale, s_dec = tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, amax=amax, bad=nonfinite,
-                                        out=out)
+    amax, nonfinite, triton = _prepare(mats, scale_group, amax, nonfinite, groups, device, backend)
+    if triton:
+        data, scale, s_dec = triton(fake=False, out=out)
     else:
         x = _stacked(mats, groups)
         s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
@@ -158,15 +170,9 @@ def fake_quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfin
     the trainer's straight-through wrapper owns that). out: the [M, R, K] buffer to fill."""
     m, r, k, dtype, device = _check(mats, scale_group, name)
     groups = m // scale_group
-    given = amax is not None
-    if given:
-        amax, nonfinite = _given(amax, nonfinite, groups, device)
-    if resolve_backend(device, backend) == "triton":
-        tk = _triton()
-        table = tk.pointer_table(mats)
-        if not given:
-            amax, nonfinite = tk.grouped(table, scale_group, mode=tk.AMAX_ONLY)
-        return tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, fake=True, amax=amax, bad=nonfinite, out=out)[0]
+    amax, nonfinite, triton = _prepare(mats, scale_group, amax, nonfinite, groups, device, backend)
+    if triton:
+        return triton(fake=True, out=out)[0]
     x = _stacked(mats, groups)
     s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
     d, sc = quantize_reference(x, s_enc, s_dec3)
