@@ -35,9 +35,13 @@ from sglang_ext.kernels.routing import moe_align_block_size
 SWEEP = {  # spill-free on sm_90 per ptxas (checked offline), plus more warps for decode
     "small": [GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 32, 256, 4, 4),
               GemmConfig(16, 64, 256, 4, 3), GemmConfig(16, 128, 128, 4, 3),
-              GemmConfig(16, 64, 128, 8, 4), GemmConfig(16, 128, 128, 8, 3)],
+              GemmConfig(16, 64, 128, 8, 4), GemmConfig(16, 128, 128, 8, 3),
+              # swap-AB (C^T = W A^T): the decoded weight tile as wgmma's register A operand
+              GemmConfig(16, 64, 128, 4, 4, 8, True), GemmConfig(16, 128, 128, 8, 3, 8, True),
+              GemmConfig(16, 64, 256, 4, 3, 8, True)],
     "mid": [GemmConfig(64, 128, 64, 8, 3), GemmConfig(32, 64, 128, 4, 4),
-            GemmConfig(64, 64, 64, 4, 4), GemmConfig(32, 128, 64, 8, 3)],
+            GemmConfig(64, 64, 64, 4, 4), GemmConfig(32, 128, 64, 8, 3),
+            GemmConfig(32, 64, 128, 4, 4, 8, True), GemmConfig(64, 128, 64, 8, 3, 8, True)],
     "large": [GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 128, 32, 8, 4),
               GemmConfig(64, 128, 64, 8, 3), GemmConfig(128, 64, 64, 8, 3)],
 }

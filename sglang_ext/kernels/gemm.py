@@ -25,6 +25,12 @@ S_dec(x) / S_dec(r) before these steps) and the weight columns Wq[:, S] are stor
 at load time in the same exact fp16 form (`rac_columns.rac_weight_columns`), so no single
 columns are gathered from the packed weight here. (A form that folded the residual into the
 fp16 activation tile was removed: it failed its GPU accuracy test.)
+
+`GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
+decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and
+the few routed rows of an expert become its N (>= 8), as OpenAI's triton_kernels does for MXFP4
+on Hopper. It is opt-in per config (tools/bench_w4a4_gemm.py --sweep measures it); the default
+configs do not use it until the H200 sweep says it pays.
 """
 
 from __future__ import annotations
@@ -80,6 +86,27 @@ def decode_words_f16(words, sbits, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _mma(acc, a, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [M, N] += a [M, K] w [N, K]^T; SWAP_AB: acc [N, M] += w a^T, so the weight tile decoded in
+    registers is the MMA's A operand (Hopper's wgmma reads A from registers, B from shared memory)
+    and the few routed rows are its N. DOT_F32: fp32 operands (the interpreter; fp32 activations)."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+        if SWAP_AB:
+            out = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        w = w.to(a.dtype)
+        if SWAP_AB:
+            out = tl.dot(w, tl.trans(a), acc)
+        else:
+            out = tl.dot(a, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
 def _w4a4_gemm_kernel(
         a_ptr, asdec_ptr, stride_am,
         rv_ptr, rsdec_ptr, KR, rw_ptr, stride_rwe, stride_rwn,
@@ -89,7 +116,8 @@ def _w4a4_gemm_kernel(
         M, N, K, A_ROW_DIV, NUM_M_BLOCKS,
         ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
-        EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
+        OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
@@ -124,7 +152,10 @@ def _w4a4_gemm_kernel(
     s_rows = ws_ptr + expert * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
     a_base = a_ptr + a_rows[:, None] * stride_am
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # accumulate C^T (transposed back before the epilogue)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_s = tl.arange(0, BLOCK_K // 16)
     offs_k = tl.arange(0, BLOCK_K)
@@ -144,14 +175,12 @@ def _w4a4_gemm_kernel(
             a = tl.load(a_base + ak[None, :], mask=row_mask[:, None] & (ak < K)[None, :],
                         other=0.0)
         wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(wt.to(tl.float32)), acc,
-                         input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
+        acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
 
     ws2 = tl.load(ws2_ptr + expert)
     if W4A16:
+        if SWAP_AB:
+            acc = tl.trans(acc)
         out = acc * (ws2 * 128.0)
     else:
         sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
@@ -159,7 +188,10 @@ def _w4a4_gemm_kernel(
             # RAC: + rq Wq[:, S]^T as k more K-steps (the residual has its own per-row S_dec:
             # rescale the accumulator to it and keep one accumulator)
             rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
-            acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
+            if SWAP_AB:
+                acc = acc * tl.math.div_rn(sdec, rdec)[None, :]
+            else:
+                acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
             rw_rows = rw_ptr + expert * stride_rwe + offs_n[:, None].to(tl.int64) * stride_rwn
             r_rows = rv_ptr + a_rows[:, None] * KR
             # one step at k <= BLOCK_K; not pipelined (no extra shared-memory stages: occupancy)
@@ -174,12 +206,10 @@ def _w4a4_gemm_kernel(
                                  other=0.0)
                     rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None] & jmask[None, :],
                                  other=0.0)
-                if DOT_F32:
-                    acc = tl.dot(rt.to(tl.float32), tl.trans(wg.to(tl.float32)), acc,
-                                 input_precision="ieee")
-                else:
-                    acc = tl.dot(rt, tl.trans(wg), acc)
+                acc = _mma(acc, rt, wg, SWAP_AB, DOT_F32)
             sdec = rdec
+        if SWAP_AB:
+            acc = tl.trans(acc)
         out = acc * sdec[:, None] * (ws2 * 16384.0)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -201,6 +231,7 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     group_m: int = 8
+    swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
 
 
 def interpreting() -> bool:
@@ -276,7 +307,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
-        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
+        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

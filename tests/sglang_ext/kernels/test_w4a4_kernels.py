@@ -229,6 +229,61 @@ def test_exact_rac_gemm_gpu(m):
     _check_exact_rac_gemm("cuda", m, 1536, 2048, 64)
 
 
+def _check_swap_ab(device, mode, dtype, t, n, k_in, e, topk, k, config):
+    """The swapped-operand form (C^T = W A^T, config.swap_ab) of the grouped GEMM equals the reference
+    (routed rows, an expert with no rows, RAC with stored columns, partial tiles)."""
+    from sglang_ext.kernels.gemm import launch_gemm
+
+    gen = torch.Generator().manual_seed(t + n)
+    x = activations(t, k_in, dtype, device, gen)
+    wd, ws, ws2 = packed((e, n, k_in), device, gen=gen)
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, e - 1] = -1e4  # one expert gets no rows
+    ti = torch.topk(logits, topk).indices.int().to(device)
+    ci = comp(k_in, k, gen).to(device)
+    m = t * topk
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    routing = moe_align_block_size(ti, config.block_m, e)
+    if mode == "w4a16":
+        launch_gemm(x, None, wd, ws, ws2, out, m=m, w4a16=True, routing=routing, a_row_div=topk,
+                    config=config)
+    else:
+        qa = quantize_activation_rac(x, ci if mode == "w4a4_rac" else None)
+        rac = mode == "w4a4_rac"
+        launch_gemm(qa.values, qa.s_dec, wd, ws, ws2, out, m=m, routing=routing, a_row_div=topk,
+                    r=(qa.r_values, qa.r_s_dec) if rac else None,
+                    comp_weight=rac_weight_columns(wd, ws, ci) if rac else None, config=config)
+    ref = torch.empty(m, n, dtype=dtype, device=device)
+    flat = ti.reshape(-1)
+    for i in range(e):
+        rows = (flat == i).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        ref[rows] = reference.w4a4_linear(x[rows // topk], wd[i], ws[i], ws2[i], act_mode=mode,
+                                          comp_index=ci)
+    assert rel(out, ref) < (FP32_TOL[mode] if dtype == torch.float32 else 4e-3)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.float32),
+                                        ("w4a4", torch.bfloat16)])
+def test_swap_ab_grouped_gemm_cpu(mode, dtype):
+    from sglang_ext.kernels.gemm import GemmConfig
+
+    _check_swap_ab("cpu", mode, dtype, 5, 64, 80, 3, 2, 32, GemmConfig(16, 64, 64, 4, 1, 8, True))
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a4_rac", torch.bfloat16),
+                                        ("w4a16", torch.bfloat16)])
+@pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 8, 3, 8, True),
+                                 (32, 64, 128, 4, 4, 8, True)])
+def test_swap_ab_grouped_gemm_gpu(mode, dtype, cfg):
+    from sglang_ext.kernels.gemm import GemmConfig
+
+    _check_swap_ab("cuda", mode, dtype, 16, 1536, 2048, 128, 8, 64, GemmConfig(*cfg))
+
+
 def _check_rac_helps(device):
     gen = torch.Generator().manual_seed(5)
     m, n, k_in = 16, 64, 256
