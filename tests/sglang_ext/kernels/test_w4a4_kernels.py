@@ -45,6 +45,16 @@ def packed(shape, device, std=0.05, gen=None):
             torch.stack([q.global_scale.reshape(()) for q in qs]).to(device))
 
 
+def random_packed(e, n, k_in, device, gen):
+    """Random NVFP4 experts without running the quantizer (fast at full size): every code, finite e4m3
+    scales in [2^-3, 2^4], one scale_2 per expert; drawn on gen's device."""
+    g = gen.device
+    return (torch.randint(0, 256, (e, n, k_in // 2), dtype=torch.uint8, device=g, generator=gen).to(device),
+            torch.randint(0x20, 0x60, (e, n, k_in // 16), dtype=torch.uint8, device=g,
+                          generator=gen).view(torch.float8_e4m3fn).to(device),
+            (torch.rand(e, device=g, generator=gen) * 1e-3 + 5e-4).to(device))
+
+
 def activations(m, k, dtype, device, gen, outliers=(3,), factor=30.0):
     x = torch.randn(m, k, generator=gen) * (0.5 + torch.rand(k, generator=gen))
     x[:, list(outliers)] *= factor
@@ -236,7 +246,7 @@ def _check_swap_ab(device, mode, dtype, t, n, k_in, e, topk, k, config):
 
     gen = torch.Generator().manual_seed(t + n)
     x = activations(t, k_in, dtype, device, gen)
-    wd, ws, ws2 = packed((e, n, k_in), device, gen=gen)
+    wd, ws, ws2 = random_packed(e, n, k_in, device, gen)
     logits = torch.randn(t, e, generator=gen)
     logits[:, e - 1] = -1e4  # one expert gets no rows
     ti = torch.topk(logits, topk).indices.int().to(device)
@@ -373,14 +383,7 @@ def test_fused_moe_full_size_random_routing_gpu(mode, dtype, t):
     against the torch reference run on the GPU at the fp32-accumulation level (fp32 inputs)."""
     dev, e, h, f, topk, k = "cuda", 128, 2048, 768, 8, 64
     gen = torch.Generator(device=dev).manual_seed(t)
-
-    def nvfp4(n, k_in):  # random codes, finite e4m3 scales in [2^-3, 2^4], one scale_2 per expert
-        return (torch.randint(0, 256, (e, n, k_in // 2), dtype=torch.uint8, device=dev, generator=gen),
-                torch.randint(0x20, 0x60, (e, n, k_in // 16), dtype=torch.uint8, device=dev,
-                              generator=gen).view(torch.float8_e4m3fn),
-                torch.rand(e, device=dev, generator=gen) * 1e-3 + 5e-4)
-
-    w13, w2 = nvfp4(2 * f, h), nvfp4(h, f)
+    w13, w2 = random_packed(e, 2 * f, h, dev, gen), random_packed(e, h, f, dev, gen)
     x = (torch.randn(t, h, device=dev, generator=gen) * 2).to(dtype)
     tw, ti = torch.topk(torch.randn(t, e, device=dev, generator=gen).softmax(-1), topk)
     tw, ti = tw / tw.sum(-1, keepdim=True), ti.int()
