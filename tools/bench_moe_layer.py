@@ -266,6 +266,12 @@ def check_variants(x, tw, ti, w: Experts) -> dict:
             xd = x.to(dtype)
             ours = quads_layer(mode)(xd, tw, ti, w)
             ref = quads_layer(mode, backend="torch")(xd, tw, ti, w)
+            if dtype == torch.float32 and mode != "w4a16":  # per token: rare E2M1 code flips of fc2's input
+                from sglang_ext.kernels.reference import w4a4_moe_agreement
+
+                ok, stats = w4a4_moe_agreement(ours, ref, TOL[dtype])
+                checks[mode]["float32 per token"] = (stats["median"] if ok else float("inf"), TOL[dtype])
+                continue
             checks[mode][str(dtype).split(".")[-1]] = (rel_err(ours, ref), TOL[dtype])
     return checks
 

@@ -102,3 +102,17 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         y = _linear_fp32(h, w2f[e], act_mode, ce, w2_input_scale)
         out_rows[rows] = (y * topk_weights.reshape(-1)[rows, None].to(torch.float32)).to(x.dtype)
     return out_rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)
+
+
+def w4a4_moe_agreement(out: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple:
+    """(ok, {median, max, flipped}) for an fp32 W4A4 MoE output against this reference, per token.
+
+    W4A4 quantizes fc2's input h = SiLU(gate) * up, computed from fc1's fp32 sums: two correct
+    summation orders give h a few ulps apart, and now and then (about once per 10^6 elements) that
+    moves an element across an E2M1 boundary, changing its token's output by ~1e-2. So agreement
+    at the fp32 level is asked of the median token, rare tokens (<= 2%) may differ by one such
+    code flip (< 5e-2), and a real fault (errors spread over many tokens) still fails."""
+    per_token = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-30)
+    flipped = float((per_token > 1e-5).float().mean())
+    stats = {"median": float(per_token.median()), "max": float(per_token.max()), "flipped": flipped}
+    return stats["median"] < tol and flipped <= 0.02 and stats["max"] < 5e-2, stats
