@@ -288,29 +288,9 @@ def time_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
         return sorted(ts)[len(ts) // 2]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (Triton compiles, cuBLAS handles) off the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / reps)
-    del graph
-    return sorted(ts)[len(ts) // 2]
+    from quads_megatron.study.timing import graph_replay_ms
+
+    return graph_replay_ms(fn, iters, reps)
 
 
 def copy_bandwidth(dev: torch.device) -> float:

@@ -70,22 +70,9 @@ def timer(fn, iters: int, warmup: int = 3, reps: int = 10, graph: bool = True) -
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
         return sorted(ts)[len(ts) // 2]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / reps)
-    return sorted(ts)[len(ts) // 2]
+    from quads_megatron.study.timing import graph_replay_ms
+
+    return graph_replay_ms(fn, iters, reps, warmup=0)  # warmed up above
 
 
 def rand_packed(e, n, k, dev):
