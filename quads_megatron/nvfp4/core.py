@@ -35,7 +35,7 @@ from quads_megatron.errors import ConfigError, InputError, NonFiniteError
 
 from .backend import resolve_backend
 from .format import (BLOCK_SIZE, E2M1_BOUNDS_GE, E2M1_BOUNDS_GT, E4M3_MAX, FLT_MAX, FP4_MAX,
-                     GLOBAL_SCALE_NUMERATOR, e2m1_table)
+                     GLOBAL_SCALE_NUMERATOR)
 from .tensor import NVFP4Tensor, check_block_shape
 
 BlockShape = Sequence[int]
@@ -205,12 +205,34 @@ def quantize_reference(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor
     return _pack(codes), sf.squeeze(-1)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (integer tensor, low 4 bits) -> fp32 values, by arithmetic: exact, equal to
+    `e2m1_table` (-0.0 for code 8), and with no host-to-device table copy (graph-safe)."""
+    mag = codes & 0x7
+    exp, man = (mag >> 1).to(torch.float32), (mag & 0x1).to(torch.float32)
+    val = torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1.0) * (1.0 + 0.5 * man))
+    return torch.where((codes & 0x8) != 0, -val, val)
+
+
+def dequantize_columns(data: torch.Tensor, scale: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """fp32 e2m1 * e4m3 of the columns `index` of packed NVFP4 rows (no global scale).
+
+    data uint8 [..., N, K//2] (element 2i in the low nibble), scale e4m3 (or its uint8 bits)
+    [..., N, K//16], index int [..., k] broadcast over N (one set, or one per leading index):
+    a gather of codes and scales, no full dequantization and no host sync."""
+    idx = index.to(device=data.device, dtype=torch.int64).expand(*data.shape[:-1], index.shape[-1])
+    byte = torch.gather(data, -1, idx // 2).to(torch.int32)
+    codes = (byte >> ((idx & 1) * 4).to(torch.int32)) & 0xF
+    sbits = torch.gather(scale.view(torch.uint8), -1, idx // BLOCK_SIZE)
+    return e2m1_values(codes) * sbits.view(torch.float8_e4m3fn).to(torch.float32)
+
+
 def dequantize_reference(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x_hat = e2m1 * fp32(sf) * S_dec in fp32, then cast to `dtype`."""
     codes = _unpack(data)
     *lead, k = codes.shape
-    values = e2m1_table(data.device)[codes.long()].view(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
+    values = e2m1_values(codes).view(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
     out = values * scale.to(torch.float32).unsqueeze(-1) * _as_block_broadcast(
         s_dec.to(torch.float32))
     return out.view(*lead, k).to(dtype)

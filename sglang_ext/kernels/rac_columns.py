@@ -18,15 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from quads_megatron.nvfp4.core import dequantize_columns
+
 __all__ = ["rac_weight_columns", "RacColumns"]
-
-
-def _e2m1_value(code: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (int) -> fp32 values, by arithmetic (no lookup table: nothing is copied from the host)."""
-    mag = code & 0x7
-    exp, man = (mag >> 1).to(torch.float32), (mag & 0x1).to(torch.float32)
-    val = torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1.0) * (1.0 + 0.5 * man))
-    return torch.where((code & 0x8) != 0, -val, val)
 
 
 def rac_weight_columns(weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -43,21 +37,13 @@ def rac_weight_columns(weight: torch.Tensor, weight_scale: torch.Tensor,
     if tuple(weight_scale.shape) != (*weight.shape[:-1], k_in // 16):
         raise ValueError(f"weight_scale: expected shape {(*weight.shape[:-1], k_in // 16)}, got "
                          f"{tuple(weight_scale.shape)}")
-    lead = weight.shape[:-1]
     if comp_index.ndim == 2 and (weight.ndim != 3 or comp_index.shape[0] != weight.shape[0]):
         raise ValueError(f"comp_index: one set per expert [E, k] needs weight [E, N, K//2] with the "
                          f"same E, got comp_index {tuple(comp_index.shape)}, weight {tuple(weight.shape)}")
     if comp_index.ndim not in (1, 2):
         raise ValueError(f"comp_index: expected [k] or [E, k], got {tuple(comp_index.shape)}")
-    k = comp_index.shape[-1]
-    idx = comp_index.to(device=weight.device, dtype=torch.int64)
-    idx = idx.unsqueeze(-2) if idx.ndim == 2 else idx  # [E, 1, k] or [k]
-    idx = idx.expand(*lead, k)
-    byte = torch.gather(weight, -1, idx // 2).to(torch.int32)
-    code = (byte >> ((idx & 1) * 4).to(torch.int32)) & 0xF
-    sbits = torch.gather(weight_scale.view(torch.uint8), -1, idx // 16)
-    scale = sbits.view(torch.float8_e4m3fn).to(torch.float32)
-    return (_e2m1_value(code) * scale * 2.0 ** -7).to(torch.float16).contiguous()
+    idx = comp_index.unsqueeze(-2) if comp_index.ndim == 2 else comp_index  # [E, 1, k] or [k]
+    return (dequantize_columns(weight, weight_scale, idx) * 2.0 ** -7).to(torch.float16).contiguous()
 
 
 def _stamp(t: torch.Tensor):
