@@ -11,7 +11,8 @@ per-tensor scale (weight_scale_2) is applied in the GEMM epilogue, as for the ma
 Cost: 2 bytes per compensated channel and output row (+11% over the packed weight at
 k = 64, K = 2048; +30% at K = 768). Whoever owns the weights rebuilds the columns whenever the
 weight or the channels change (SGLang's `process_weights_after_loading`, the local engine's
-NVFP4 modules); the ops build them per call when none are passed.
+`refresh_rac_columns` after each weight load and calibration); the ops build them per call when
+none are passed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from quads_megatron.nvfp4.core import dequantize_columns
 
-__all__ = ["rac_weight_columns", "RacColumns"]
+__all__ = ["rac_weight_columns"]
 
 
 def rac_weight_columns(weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -44,38 +45,3 @@ def rac_weight_columns(weight: torch.Tensor, weight_scale: torch.Tensor,
         raise ValueError(f"comp_index: expected [k] or [E, k], got {tuple(comp_index.shape)}")
     idx = comp_index.unsqueeze(-2) if comp_index.ndim == 2 else comp_index  # [E, 1, k] or [k]
     return (dequantize_columns(weight, weight_scale, idx) * 2.0 ** -7).to(torch.float16).contiguous()
-
-
-def _stamp(t: torch.Tensor):
-    """What identifies a tensor's current contents without reading them: identity, storage and the
-    in-place write counter (inference tensors have none: never equal, so always rebuilt)."""
-    try:
-        version = t._version
-    except RuntimeError:
-        version = object()
-    return id(t), t.data_ptr(), version
-
-
-class RacColumns:
-    """`rac_weight_columns` of weights that are written in place (the local engine's NVFP4 buffers).
-
-    `get(weight, weight_scale, comp_index)` rebuilds the columns when any of the three was written
-    or rebound since the last call (torch's version counters: host-side, no sync) and returns
-    the same tensor otherwise; a rebuild writes into the tensor it returned before when the shape
-    allows, so a CUDA graph captured on it replays the new columns."""
-
-    def __init__(self):
-        self.columns = None
-        self._key = None
-
-    def get(self, weight: torch.Tensor, weight_scale: torch.Tensor, comp_index: torch.Tensor) -> torch.Tensor:
-        key = tuple(_stamp(t) for t in (weight, weight_scale, comp_index))
-        if key != self._key or self.columns is None:
-            cols = rac_weight_columns(weight, weight_scale, comp_index)
-            old = self.columns
-            if old is not None and old.shape == cols.shape and old.device == cols.device:
-                old.copy_(cols)
-            else:
-                self.columns = cols
-            self._key = key
-        return self.columns

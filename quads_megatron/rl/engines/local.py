@@ -107,6 +107,8 @@ class LocalEngine(RolloutEngine):
                 seen.add(name)
         if not seen:
             raise ValueError("weight sync: no tensors received")
+        if self._refresh_rac_columns():
+            self._decoders.clear()  # new column tensors: graphs captured before must not replay
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self._loaded = True
@@ -133,8 +135,18 @@ class LocalEngine(RolloutEngine):
         """Pick RAC channels and static input scales (as the plan asks) from these prompts' activations."""
         from .precision import calibrate
 
-        if calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts)):
+        rebound = calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts))
+        if self._refresh_rac_columns() or rebound:
             self._decoders.clear()  # channel / scale tensors were rebound: graphs captured before must not replay
+
+    def _refresh_rac_columns(self) -> bool:
+        """Rebuild every module's RAC weight columns from its current weights and channels (in place
+        after the first time); True when a column tensor had to be (re)bound."""
+        rebound = False
+        for m in self.nvfp4_modules.values():
+            if hasattr(m, "refresh_rac_columns"):
+                rebound |= m.refresh_rac_columns()
+        return rebound
 
     def quant_error_report(self) -> dict[str, float]:
         from .precision import error_report

@@ -57,6 +57,7 @@ class _QuantExperts(nn.Module):
         super().__init__()
         self.precision, self.num_experts, self.hidden, self.ffn = precision, num_experts, hidden, ffn
         self.w13_comp_index = self.w2_comp_index = None
+        self.w13_comp_weight = self.w2_comp_weight = None  # RAC weight columns (NVFP4Experts.refresh_rac_columns)
         self.w13_input_scale = self.w2_input_scale = None
         self.meter = _ErrorMeter()
         self.stats = None  # (fc1 ActivationStats, fc2 per-expert ActivationStats) while calibrating
@@ -189,30 +190,29 @@ class NVFP4Experts(_QuantExperts):
     def dequantized(self, which: str) -> torch.Tensor:
         return _dequantize(getattr(self, which), getattr(self, f"{which}_scale"), getattr(self, f"{which}_scale_2"))
 
-    def _rac_columns(self) -> tuple:
-        """(fc1, fc2) RAC weight columns Wq[:, S] the kernels' residual K-steps read, rebuilt in place
-        when a weight load or a calibration changed the buffers or channels since the last eager
-        forward (the engine's prefill runs eagerly before its decode graph replays)."""
-        if not hasattr(self, "_rac_cols"):
-            from sglang_ext.kernels.rac_columns import RacColumns
+    def refresh_rac_columns(self) -> bool:
+        """Store the RAC weight columns Wq[:, S] the kernels' residual K-steps read, in place (captured
+        graphs keep reading them). The engine calls this after every weight load and calibration, as
+        SGLang's process_weights_after_loading does; a no-op until the channels are calibrated.
+        True when a column tensor had to be (re)bound."""
+        if not (self.precision.uses_rac and self.w13_comp_index is not None):
+            return False
+        from sglang_ext.kernels.rac_columns import rac_weight_columns
 
-            self._rac_cols = (RacColumns(), RacColumns())
-        c13, c2 = self._rac_cols
-        return (c13.get(self.w13, self.w13_scale, self.w13_comp_index),
-                c2.get(self.w2, self.w2_scale, self.w2_comp_index))
+        a = _store(self, "w13_comp_weight", rac_weight_columns(self.w13, self.w13_scale, self.w13_comp_index))
+        return _store(self, "w2_comp_weight", rac_weight_columns(self.w2, self.w2_scale, self.w2_comp_index)) or a
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.stats is not None:
             return self._calibration_forward(hidden_states, top_k_index, top_k_weights)
         if self.precision.uses_rac and self.w13_comp_index is None:
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
-        cols13, cols2 = self._rac_columns() if self.precision.uses_rac else (None, None)
         return _kernels().w4a4_fused_moe(
             hidden_states, self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
             self.w2_scale_2, top_k_weights, top_k_index, act_mode=self.precision.value,
             w13_comp_index=self.w13_comp_index, w2_comp_index=self.w2_comp_index,
             w13_input_scale=self.w13_input_scale, w2_input_scale=self.w2_input_scale,
-            w13_comp_weight=cols13, w2_comp_weight=cols2)
+            w13_comp_weight=self.w13_comp_weight, w2_comp_weight=self.w2_comp_weight)
 
 
 class NVFP4Linear(nn.Module):
@@ -229,6 +229,7 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32, device=device),
                              persistent=False)
         self.comp_index = self.input_scale = None
+        self.comp_weight = None  # RAC weight columns (refresh_rac_columns)
         self.meter = _ErrorMeter()
         self.stats = None
 
@@ -247,16 +248,17 @@ class NVFP4Linear(nn.Module):
             return (x.float() @ self.dequantized().t()).to(x.dtype)
         if self.precision.uses_rac and self.comp_index is None:
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
-        cols = None
-        if self.precision.uses_rac:  # Wq[:, S], rebuilt in place after a weight load / calibration
-            if not hasattr(self, "_rac_cols"):
-                from sglang_ext.kernels.rac_columns import RacColumns
-
-                self._rac_cols = RacColumns()
-            cols = self._rac_cols.get(self.weight, self.weight_scale, self.comp_index)
         return _kernels().w4a4_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
                                       act_mode=self.precision.value, comp_index=self.comp_index,
-                                      input_scale=self.input_scale, comp_weight=cols)
+                                      input_scale=self.input_scale, comp_weight=self.comp_weight)
+
+    def refresh_rac_columns(self) -> bool:
+        """As `NVFP4Experts.refresh_rac_columns`: Wq[:, S] stored in place after a load or calibration."""
+        if not (self.precision.uses_rac and self.comp_index is not None):
+            return False
+        from sglang_ext.kernels.rac_columns import rac_weight_columns
+
+        return _store(self, "comp_weight", rac_weight_columns(self.weight, self.weight_scale, self.comp_index))
 
 
 def graph_safe(module) -> bool:

@@ -1,4 +1,4 @@
-"""The local engine's NVFP4 modules keep the RAC weight columns Wq[:, S] current across in-place weight loads and calibrations.
+"""The local engine keeps the RAC weight columns Wq[:, S] current across in-place weight loads and calibrations.
 
 The forward runs the Triton kernels (the interpreter on CPU) against the torch reference at the
 fp32-accumulation level: a stale column (old weight or old channel set) would change the RAC term.
@@ -48,12 +48,13 @@ def test_experts_columns_follow_loads_and_channels(monkeypatch):
     ti = ti.int()
 
     def check():
+        m.refresh_rac_columns()  # what LocalEngine runs after every weight load and calibration
         out = m(x, ti, tw)
         ref = reference.w4a4_fused_moe(x, m.w13, m.w13_scale, m.w13_scale_2, m.w2, m.w2_scale, m.w2_scale_2, tw, ti,
                                        act_mode="w4a4_rac", w13_comp_index=m.w13_comp_index,
                                        w2_comp_index=m.w2_comp_index)
         assert _rel(out, ref) < 3e-6
-        c13, c2 = m._rac_cols[0].columns, m._rac_cols[1].columns
+        c13, c2 = m.w13_comp_weight, m.w2_comp_weight
         assert torch.equal(c13, rac_weight_columns(m.w13, m.w13_scale, m.w13_comp_index))
         assert torch.equal(c2, rac_weight_columns(m.w2, m.w2_scale, m.w2_comp_index))
         return c13, c2
@@ -74,7 +75,23 @@ def test_linear_columns_follow_loads(monkeypatch):
     x = torch.randn(3, H, generator=gen)
     for _ in range(2):
         m.load(nvfp4.quantize(torch.randn(48, H, generator=gen) * 0.1))
+        m.refresh_rac_columns()
         ref = reference.w4a4_linear(x, m.weight, m.weight_scale, m.weight_scale_2, act_mode="w4a4_rac",
                                     comp_index=m.comp_index)
         assert _rel(m(x), ref) < 3e-6
-        assert torch.equal(m._rac_cols.columns, rac_weight_columns(m.weight, m.weight_scale, m.comp_index))
+        assert torch.equal(m.comp_weight, rac_weight_columns(m.weight, m.weight_scale, m.comp_index))
+
+
+def test_engine_refreshes_columns_after_sync_and_calibration():
+    """LocalEngine.update_weights / calibrate rebuild every module's columns, in place after the first time."""
+    from test_decode import _engine, _source_weights  # noqa: E402 (this directory is on sys.path under pytest)
+
+    eng = _engine("w4a4_rac")  # update_weights, then calibrate
+    experts = eng.nvfp4_modules["model.layers.0.mlp.experts"]
+    cols = experts.w13_comp_weight
+    assert torch.equal(cols, rac_weight_columns(experts.w13, experts.w13_scale, experts.w13_comp_index))
+    eng.update_weights(_source_weights(seed=5))  # the next step's sync writes the weights in place
+    assert experts.w13_comp_weight is cols
+    assert torch.equal(cols, rac_weight_columns(experts.w13, experts.w13_scale, experts.w13_comp_index))
+    assert torch.equal(experts.w2_comp_weight, rac_weight_columns(experts.w2, experts.w2_scale,
+                                                                  experts.w2_comp_index))
