@@ -117,11 +117,11 @@ def _candidates(layer, layer_name):
         return [f"{L}.mlp.experts.local_experts.{e}.{fc}.weight" for e in ids]
 
     if isinstance(experts, SequentialMLP):
+        siblings = {fc: [getattr(e, fc) for e in experts.local_experts] for fc in ("linear_fc1", "linear_fc2")}
         for i, expert in enumerate(experts.local_experts):
             for fc, k_sharded in (("linear_fc1", False), ("linear_fc2", True)):
-                siblings = [getattr(e, fc) for e in experts.local_experts]
                 out.append((f"{prefix}.local_experts.{i}.{fc}", getattr(expert, fc),
-                            ("expert", f"{prefix}.local_experts.*.{fc}", i, siblings), [names(fc)[i]], k_sharded))
+                            ("expert", f"{prefix}.local_experts.*.{fc}", i, siblings[fc]), [names(fc)[i]], k_sharded))
     elif isinstance(experts, GroupedMLP):
         out.append((prefix, experts, "grouped", names("linear_fc1") + names("linear_fc2"), False))
     elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):

@@ -130,7 +130,7 @@ def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
 
 def _check_scales(batches) -> None:
     """NonFiniteError naming the first weight whose grouped quantization found NaN/Inf (one sync)."""
-    bad = torch.cat([torch.isnan(b.scales).to("cpu") for b in batches])
+    bad = torch.isnan(torch.cat([b.scales for b in batches])).cpu()  # one device-to-host copy
     if bool(bad.any()):
         names = [n for b in batches for n in b.names]
         first = names[int(torch.nonzero(bad)[0])]
