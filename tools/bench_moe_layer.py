@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes (8 experts, hidden 64, FFN 32, top-2, k 16, tokens 3)")
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--sweep", action="store_true", help="also time w4a4_rac with several (fc1, fc2) tile configs")
+    p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
     args = p.parse_args(argv)
     if args.tiny:
         args.num_experts, args.hidden_size, args.moe_ffn_hidden_size = 8, 64, 32
@@ -228,8 +230,9 @@ def bf16_fake_quant(v: torch.Tensor) -> torch.Tensor:
 
 
 # ---- our layer ----------------------------------------------------------------------------
-def quads_layer(mode: str, backend: str = "triton") -> Callable:
-    """(x, topk_weights, topk_ids, experts) -> w4a4_fused_moe in `mode` (no host syncs: check_inputs=False)."""
+def quads_layer(mode: str, backend: str = "triton", configs: Optional[tuple] = None) -> Callable:
+    """(x, topk_weights, topk_ids, experts) -> w4a4_fused_moe in `mode` (no host syncs: check_inputs=False);
+    configs: (fc1, fc2) GemmConfigs instead of the defaults (--sweep)."""
     from sglang_ext.kernels import reference, w4a4_fused_moe
 
     op = w4a4_fused_moe if backend == "triton" else reference.w4a4_fused_moe
@@ -239,7 +242,7 @@ def quads_layer(mode: str, backend: str = "triton") -> Callable:
         extra = {}
         if backend == "triton":
             extra = dict(backend="triton", w13_comp_weight=w.w13_cols if rac else None,
-                         w2_comp_weight=w.w2_cols if rac else None)
+                         w2_comp_weight=w.w2_cols if rac else None, configs=configs)
         return op(x, *w.w13, *w.w2, topk_weights, topk_ids, act_mode=mode,
                   w13_comp_index=w.c13 if rac else None, w2_comp_index=w.c2 if rac else None,
                   check_inputs=False, **extra)
@@ -291,6 +294,35 @@ def time_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
     from quads_megatron.study.timing import graph_replay_ms
 
     return graph_replay_ms(fn, iters, reps)
+
+
+def kernel_profile(fn: Callable, calls: int = 5) -> list:
+    """[(kernel name, CUDA us per call)] of `calls` eager calls under torch.profiler, largest first:
+    where the layer's time goes (the graph replay removes the host gaps, not the kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name] = per.get(ev.name, 0.0) + ev.device_time / calls
+    return sorted(per.items(), key=lambda kv: -kv[1])
+
+
+def sweep_configs(t: int, e: int, topk: int) -> list:
+    """Candidate (fc1, fc2) GemmConfigs for the layer at t tokens (--sweep), the default first."""
+    from sglang_ext.kernels.gemm import GemmConfig
+
+    swap = [(GemmConfig(bm, 64, 128, 4, 4, 8, True), GemmConfig(bm, 64, 128, 4, 4, 8, True)) for bm in (16, 32, 64)]
+    plain = [(GemmConfig(bm, 64, 64, 4, 4), GemmConfig(bm, 64, 64, 4, 4)) for bm in (32, 64)]
+    big = [(GemmConfig(128, 64, 64, 8, 3), GemmConfig(128, 128, 32, 8, 4)), (GemmConfig(64, 128, 64, 8, 3), GemmConfig(64, 128, 64, 8, 3))]
+    rows = t * topk / e
+    return [None] + (swap + plain if rows <= 32 else plain + swap[1:] + big if rows <= 128 else big + plain[1:])
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -366,6 +398,17 @@ def run(args) -> dict:
                 ms[name] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
                 ms[name] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
+        if args.sweep:
+            ms["sweep"] = {}
+            for cfgs in sweep_configs(t, args.num_experts, args.moe_router_topk):
+                layer = quads_layer("w4a4_rac", configs=cfgs)
+                key = "default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs)
+                try:
+                    ms["sweep"][key] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
+                    ms["sweep"][key] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
+        if args.profile and dev.type == "cuda":
+            ms["profile"] = {name: kernel_profile(lambda: layers[name](x, tw, ti, w)) for name in ("fp8", "w4a4", "w4a4_rac")}
         row = dict(tokens=t, experts_hit=hit, ms=ms, checks=checks,
                    weight_bytes=weight_bytes(args, hit, False), rac_weight_bytes=weight_bytes(args, hit, True))
         rows.append(row)
@@ -399,6 +442,14 @@ def main(argv=None) -> int:
     print(f"\n{res['meta']['device']}, {res['meta']['date']}; copy bandwidth (read + write) {bw / 1e12:.2f} TB/s; "
           f"RAC k = {args.rac_channels}; ms per layer ({how})")
     print(table(res["rows"], bw))
+    for r in res["rows"]:
+        for key, v in r["ms"].get("sweep", {}).items():
+            print(f"  T={r['tokens']} w4a4_rac {key}: {_ms(v)} ms")
+        for name, kernels in r["ms"].get("profile", {}).items():
+            total = sum(us for _, us in kernels)
+            print(f"  T={r['tokens']} {name}: {len(kernels)} kernels, {total:.1f} us of kernel time per call")
+            for kname, us in kernels[:12]:
+                print(f"      {us:8.1f} us  {kname[:110]}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -29,8 +29,8 @@ fp16 activation tile was removed: it failed its GPU accuracy test.)
 `GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
 decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and
 the few routed rows of an expert become its N (>= 8), as OpenAI's triton_kernels does for MXFP4
-on Hopper. It is opt-in per config (tools/bench_w4a4_gemm.py --sweep measures it); the default
-configs do not use it until the H200 sweep says it pays.
+on Hopper. The default configs use it at decode sizes, where the H200 sweep measured it 1.6x
+faster than the plain tile (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -148,32 +148,35 @@ def _w4a4_gemm_kernel(
     c_rows = c_rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w32_rows = w32_ptr + expert * (stride_we // 4) + offs_n[:, None].to(tl.int64) * (stride_wn // 4)
-    s_rows = ws_ptr + expert * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
-    a_base = a_ptr + a_rows[:, None] * stride_am
+    # loads read in-bounds rows (pad rows: activation row 0; rows past N: the last weight row) and
+    # are unmasked along M and N; the store masks them. With EVEN_K the main loop has no masks at
+    # all and advances its pointers, which keeps the per-step address math off the decode's ALUs.
+    offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w32_ptr + expert * (stride_we // 4) + offs_nl[:, None] * (stride_wn // 4) \
+        + tl.arange(0, BLOCK_K // 8)[None, :]
+    s_ptrs = ws_ptr + expert * stride_wse + offs_nl[:, None] * stride_wsn \
+        + tl.arange(0, BLOCK_K // 16)[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
 
     if SWAP_AB:  # accumulate C^T (transposed back before the epilogue)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    offs_s = tl.arange(0, BLOCK_K // 16)
-    offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        wk = k0 // 8 + offs_w
-        sk = k0 // 16 + offs_s
-        ak = k0 + offs_k
         if EVEN_K:
-            ww = tl.load(w32_rows + wk[None, :], mask=n_mask[:, None], other=0)
-            wsb = tl.load(s_rows + sk[None, :], mask=n_mask[:, None], other=0)
-            a = tl.load(a_base + ak[None, :], mask=row_mask[:, None], other=0.0)
+            ww = tl.load(w_ptrs)
+            wsb = tl.load(s_ptrs)
+            a = tl.load(a_ptrs)
         else:
-            ww = tl.load(w32_rows + wk[None, :], mask=n_mask[:, None] & (wk < K // 8)[None, :],
-                         other=0)
-            wsb = tl.load(s_rows + sk[None, :], mask=n_mask[:, None] & (sk < K // 16)[None, :],
-                          other=0)
-            a = tl.load(a_base + ak[None, :], mask=row_mask[:, None] & (ak < K)[None, :],
-                        other=0.0)
+            kw = (k0 // 8 + tl.arange(0, BLOCK_K // 8)) < K // 8
+            ks = (k0 // 16 + tl.arange(0, BLOCK_K // 16)) < K // 16
+            ka = (k0 + tl.arange(0, BLOCK_K)) < K
+            ww = tl.load(w_ptrs, mask=kw[None, :], other=0)
+            wsb = tl.load(s_ptrs, mask=ks[None, :], other=0)
+            a = tl.load(a_ptrs, mask=ka[None, :], other=0.0)
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += BLOCK_K // 16
+        a_ptrs += BLOCK_K
         wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
         acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
 
@@ -245,7 +248,7 @@ def default_config(rows_per_expert: float, n: int, k: int) -> GemmConfig:
     All are spill-free on sm_90 (ptxas); see docs/benchmarks.md for the measured sweep."""
     bk = 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
     if rows_per_expert <= 16:
-        return GemmConfig(16, 64, bk, 4, 4)
+        return GemmConfig(16, 64, bk, 4, 4, 8, True)
     if rows_per_expert <= 64:
         return GemmConfig(64, 128, min(bk, 64), 8, 3)
     return GemmConfig(128, 128, min(bk, 64), 8, 3)

@@ -29,6 +29,7 @@ from . import reference
 from ._checks import (check_act_mode, check_activation, check_comp, check_comp_weight,
                       check_moe_inputs, check_packed_weight)
 from .act_quant import quantize_activation_rac
+from .combine import topk_sum
 from .gemm import default_config, launch_gemm
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
@@ -99,12 +100,14 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_comp_index: Optional[torch.Tensor] = None, w13_input_scale=None,
                    w2_input_scale=None, backend: Optional[str] = None,
                    check_inputs: bool = True, w13_comp_weight: Optional[torch.Tensor] = None,
-                   w2_comp_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   w2_comp_weight: Optional[torch.Tensor] = None,
+                   configs: Optional[tuple] = None) -> torch.Tensor:
     """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     backend and check_inputs as in `w4a4_linear`; w13_comp_weight fp16 [E, 2F, k] /
     w2_comp_weight fp16 [E, H, k]: rac_weight_columns of w13 / w2 at their channels (w4a4_rac;
-    built per call when None)."""
+    built per call when None); configs: (fc1, fc2) `GemmConfig`s instead of `default_config`'s
+    (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block)."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
         x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
         act_mode, w13_comp_index, w2_comp_index, check_inputs)
@@ -121,12 +124,12 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
             w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale, check_inputs=False)
     tokens, topk = topk_ids.shape
     m = tokens * topk
-    out = torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    cfg1 = default_config(m / num_experts, 2 * f, hidden)
-    cfg2 = default_config(m / num_experts, hidden, f)._replace(block_m=cfg1.block_m)
+    cfg1, cfg2 = configs if configs is not None else (default_config(m / num_experts, 2 * f, hidden),
+                                                      default_config(m / num_experts, hidden, f))
+    cfg2 = cfg2._replace(block_m=cfg1.block_m)
     routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
@@ -158,4 +161,4 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_weight=w2_comp_weight if r is not None else None, routing=routing,
                     topk_weights=tw, config=cfg2)
-    return rows.view(tokens, topk, hidden).to(torch.float32).sum(1).to(x.dtype)
+    return topk_sum(rows, topk)

@@ -21,7 +21,7 @@ from quads_megatron.rac import compensated_activation
 from ._checks import (check_act_mode, check_activation, check_comp, check_moe_inputs,
                       check_packed_weight)
 
-__all__ = ["w4a4_linear", "w4a4_fused_moe", "dequantize_weight"]
+__all__ = ["w4a4_linear", "w4a4_fused_moe", "dequantize_weight", "moe_align_block_size"]
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -116,3 +116,23 @@ def w4a4_moe_agreement(out: torch.Tensor, ref: torch.Tensor, tol: float) -> tupl
     flipped = float((per_token > 1e-5).float().mean())
     stats = {"median": float(per_token.median()), "max": float(per_token.max()), "flipped": flipped}
     return stats["median"] < tol and flipped <= 0.02 and stats["max"] < 5e-2, stats
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> tuple:
+    """Torch definition of `routing.moe_align_block_size` (stable argsort by expert, each expert's
+    rows padded to a multiple of block_m with the pad id T * topk): (sorted_ids, expert_ids,
+    num_tokens_post_padded), int32."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    numel, dev = flat.numel(), flat.device
+    max_padded = (numel + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_exp = flat[order]
+    pos = torch.arange(numel, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_exp]
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=dev)
+    sorted_ids[(pad_end - padded)[sorted_exp] + pos] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    expert_ids = torch.searchsorted(pad_end, block_starts, right=True).clamp(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), pad_end[-1:].to(torch.int32)

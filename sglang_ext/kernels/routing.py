@@ -1,10 +1,19 @@
-"""Expert-sorted routing for the grouped GEMM, like SGLang's moe_align_block_size, in sync-free torch ops.
+"""Expert-sorted routing for the grouped GEMM, like SGLang's moe_align_block_size, in three Triton launches.
 
 The routed rows (token t, slot j) -> flat id t * topk + j are sorted by expert (stable), each
 expert's run is padded to a multiple of block_m with the pad id T * topk, and every block of
 block_m sorted ids gets its expert id. Sizes are the static upper bound
-T * topk + E * (block_m - 1), so nothing waits for the GPU (CUDA-graph safe); the kernel
-skips blocks past `num_tokens_post_padded`.
+T * topk + E * (block_m - 1), so nothing waits for the GPU (CUDA-graph safe); the GEMM skips
+blocks past `num_tokens_post_padded`.
+
+Three launches instead of the ~25 small torch kernels of a sort-based form (each costs a few
+microseconds even inside a CUDA graph, which at decode is a sizeable share of the layer):
+  1. per chunk of CHUNK routed rows, the row count of every expert;
+  2. one program: padded expert starts, and every chunk's start within each expert (an exclusive
+     prefix over chunks), the expert id of every block, num_tokens_post_padded;
+  3. per chunk, each row's slot = its chunk's start in its expert + its rank among the earlier
+     rows of the chunk with the same expert; the remaining slots get the pad id.
+The torch definition (argsort-based) is `reference.moe_align_block_size`; they agree exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +21,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128  # routed rows per program of launches 1 and 3 (rank by a CHUNK x CHUNK comparison)
+FILL = 1024  # padded slots checked per program of launch 3
 
 
 class Routing(NamedTuple):
@@ -22,24 +36,100 @@ class Routing(NamedTuple):
     num_tokens_post_padded: torch.Tensor
 
 
+@triton.jit
+def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.constexpr):
+    """counts[c, e] = rows of chunk c routed to expert e."""
+    c = tl.program_id(0)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + idx, mask=idx < M, other=E)
+    experts = tl.arange(0, E_POW)
+    n = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + c * E + experts, n, mask=experts < E)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, expert_ids_ptr, npost_ptr,
+                    NUM_BLOCKS, BLOCK_M: tl.constexpr, E_POW: tl.constexpr, CB: tl.constexpr,
+                    BB: tl.constexpr):
+    """counts [NC, E] -> in place each chunk's first slot per expert; padded starts, totals,
+    expert id per block, num_tokens_post_padded (one program)."""
+    experts = tl.arange(0, E_POW)
+    emask = experts < E
+    total = tl.zeros((E_POW,), tl.int32)
+    for c0 in range(0, NC, CB):
+        ch = c0 + tl.arange(0, CB)
+        m = (ch < NC)[:, None] & emask[None, :]
+        total += tl.sum(tl.load(counts_ptr + ch[:, None] * E + experts[None, :], mask=m, other=0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    start = pad_end - padded
+    tl.store(starts_ptr + experts, start, mask=emask)
+    tl.store(totals_ptr + experts, total, mask=emask)
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+    running = start
+    for c0 in range(0, NC, CB):
+        ch = c0 + tl.arange(0, CB)
+        m = (ch < NC)[:, None] & emask[None, :]
+        ptrs = counts_ptr + ch[:, None] * E + experts[None, :]
+        cnt = tl.load(ptrs, mask=m, other=0)
+        tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=m)
+        running += tl.sum(cnt, axis=0)
+    last = tl.where(emask, pad_end, 2147483647)
+    for b0 in range(0, NUM_BLOCKS, BB):
+        b = b0 + tl.arange(0, BB)
+        pos = b * BLOCK_M
+        expert = tl.sum((last[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.minimum(expert, E - 1), mask=b < NUM_BLOCKS)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, expert_ids_ptr, npost_ptr,
+                  sorted_ptr, NC, MAX_PADDED, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL: tl.constexpr):
+    """sorted[base[c, e] + rank] = flat id for the rows of chunk c; pad id in the unused slots."""
+    pid = tl.program_id(0)
+    if pid < NC:
+        i = tl.arange(0, CHUNK)
+        idx = pid * CHUNK + i
+        valid = idx < M
+        e = tl.load(ids_ptr + idx, mask=valid, other=E)
+        earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        base = tl.load(base_ptr + pid * E + e, mask=valid, other=0)
+        tl.store(sorted_ptr + base + rank, idx, mask=valid)
+    p = pid * FILL + tl.arange(0, FILL)
+    pm = p < MAX_PADDED
+    eb = tl.load(expert_ids_ptr + p // BLOCK_M, mask=pm, other=0)
+    start = tl.load(starts_ptr + eb, mask=pm, other=0)
+    total = tl.load(totals_ptr + eb, mask=pm, other=0)
+    pad = (p - start >= total) | (p >= tl.load(npost_ptr))
+    tl.store(sorted_ptr + p, tl.zeros((FILL,), tl.int32) + M, mask=pm & pad)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Routing:
     """Sort routed rows by expert and pad each expert's rows to a multiple of block_m."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    numel, dev = flat.numel(), flat.device
-    max_padded = numel + num_experts * (block_m - 1)
-    max_padded = (max_padded + block_m - 1) // block_m * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    cnt_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_exp = flat[order]
-    pos = torch.arange(numel, device=dev) - cnt_start[sorted_exp]
-    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=dev)
-    sorted_ids[pad_start[sorted_exp] + pos] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=dev)
-    expert_ids = torch.searchsorted(pad_end, block_starts, right=True)
-    expert_ids = expert_ids.clamp(max=num_experts - 1).to(torch.int32)
-    return Routing(sorted_ids, expert_ids, pad_end[-1:].to(torch.int32))
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
+    flat = flat.contiguous()
+    m, dev = flat.numel(), flat.device
+    max_padded = triton.cdiv(m + num_experts * (block_m - 1), block_m) * block_m
+    num_blocks = max_padded // block_m
+    nc = max(1, triton.cdiv(m, CHUNK))
+    e_pow = triton.next_power_of_2(num_experts + 1)  # + 1: the id of masked rows
+    work = torch.empty(nc * num_experts + 2 * num_experts + 1, dtype=torch.int32, device=dev)
+    counts = work[:nc * num_experts]
+    starts = work[nc * num_experts:(nc + 1) * num_experts]
+    totals = work[(nc + 1) * num_experts:(nc + 2) * num_experts]
+    npost = work[-1:]
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    _count_kernel[(nc,)](flat, m, counts, num_experts, CHUNK=CHUNK, E_POW=e_pow, num_warps=4)
+    _offsets_kernel[(1,)](counts, nc, num_experts, starts, totals, expert_ids, npost, num_blocks,
+                          BLOCK_M=block_m, E_POW=e_pow, CB=max(1, min(16, 4096 // e_pow)),
+                          BB=max(16, min(128, 16384 // e_pow)), num_warps=8)
+    grid = (max(nc, triton.cdiv(max_padded, FILL)),)
+    _place_kernel[grid](flat, m, counts, num_experts, starts, totals, expert_ids, npost,
+                        sorted_ids, nc, max_padded, BLOCK_M=block_m, CHUNK=CHUNK, FILL=FILL,
+                        num_warps=4)
+    return Routing(sorted_ids, expert_ids, npost)

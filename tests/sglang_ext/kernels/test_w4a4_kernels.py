@@ -460,6 +460,52 @@ def test_routing_sorts_by_expert_and_pads():
     assert (r.sorted_ids[n:] == flat.numel()).all()
 
 
+DEVICES = [pytest.param("cpu", marks=cpu_kernels), pytest.param("cuda", marks=gpu)]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("tokens,topk,experts,block_m", [(3, 2, 4, 4), (40, 8, 128, 16), (37, 4, 5, 64), (300, 2, 6, 16)])
+def test_routing_matches_the_argsort_definition(dev, tokens, topk, experts, block_m):
+    """The three-launch Triton routing equals the stable-argsort torch definition exactly, over several
+    chunks of rows (300 x 2 > 128), empty experts (128 experts for 320 rows) and E not a power of two."""
+    _check_routing(dev, tokens, topk, experts, block_m)
+
+
+@gpu
+@pytest.mark.parametrize("tokens,block_m", [(16, 16), (1024, 64), (4096, 128)])
+def test_routing_full_size_gpu(tokens, block_m):
+    _check_routing("cuda", tokens, 8, 128, block_m)
+
+
+def _check_routing(dev, tokens, topk, experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    ids[: tokens // 2] = ids[: tokens // 2] % max(1, experts // 3)  # uneven loads, some experts empty
+    ids = ids.to(torch.int32).to(dev)
+    got = moe_align_block_size(ids, block_m, experts)
+    want = reference.moe_align_block_size(ids, block_m, experts)
+    for name, g, w in zip(("sorted_ids", "expert_ids", "num_tokens_post_padded"), got, want):
+        assert g.dtype == torch.int32 and torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_topk_sum_matches_a_float64_sum(dev, dtype):
+    """out[t] = sum over t's top-k rows, summed in fp32 and rounded once: within one rounding of the exact
+    (float64) sum (half an ulp of the output dtype, plus fp32 summation error)."""
+    from sglang_ext.kernels.combine import topk_sum
+
+    gen = torch.Generator().manual_seed(1)
+    rows = (torch.randn(5 * 3, 40, generator=gen) * 4).to(dtype)
+    got = topk_sum(rows.to(dev), 3).cpu()
+    exact = rows.double().view(5, 3, 40).sum(1)
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert got.dtype == dtype and got.shape == (5, 40)
+    assert ((got.double() - exact).abs() <= 0.5 * ulp + 1e-5 * exact.abs() + 1e-30).all()
+    with pytest.raises(ValueError, match="rows"):
+        topk_sum(rows[:14].to(dev), 3)
+
+
 # ---- bad input -------------------------------------------------------------------------
 def test_bad_inputs_give_clear_errors():
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,45 @@
+"""The MoE layer's last step in one Triton launch: each token's top-k expert rows summed in fp32.
+
+fc2 writes one row per (token, slot), already scaled by its routing weight and rounded to the
+activation dtype (SGLang's intermediate cache); out[t] = sum_j rows[t * topk + j] in fp32, rounded
+once (round to nearest even). One launch instead of the cast / sum / cast of the torch form.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quads_megatron.nvfp4.triton_kernels import bf16_round
+
+
+@triton.jit
+def _topk_sum_kernel(rows_ptr, out_ptr, H, TOPK: tl.constexpr, TOPK_POW: tl.constexpr,
+                     BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, TOPK_POW)
+    m = (j < TOPK)[:, None] & (cols < H)[None, :]
+    v = tl.load(rows_ptr + (t * TOPK + j)[:, None] * H + cols[None, :], mask=m, other=0.0)
+    s = tl.sum(v.to(tl.float32), axis=0)
+    if OUT_BF16:
+        tl.store(out_ptr + t * H + cols, bf16_round(s).to(tl.uint16), mask=cols < H)
+    else:
+        tl.store(out_ptr + t * H + cols, s.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+def topk_sum(rows: torch.Tensor, topk: int) -> torch.Tensor:
+    """rows [T * topk, H] (row t * topk + j: token t's slot j) -> [T, H] in rows.dtype, summed in fp32."""
+    if rows.ndim != 2 or not rows.is_contiguous() or rows.shape[0] % topk:
+        raise ValueError(f"rows: expected a contiguous [T * {topk}, H] tensor, got {tuple(rows.shape)}")
+    t, h = rows.shape[0] // topk, rows.shape[1]
+    out = torch.empty(t, h, dtype=rows.dtype, device=rows.device)
+    if t == 0:
+        return out
+    bf16 = rows.dtype == torch.bfloat16
+    dst = out.view(torch.uint16) if bf16 else out
+    block_h = min(1024, triton.next_power_of_2(h))
+    _topk_sum_kernel[(t, triton.cdiv(h, block_h))](rows, dst, h, TOPK=topk, TOPK_POW=max(2, triton.next_power_of_2(topk)),
+                                                   BLOCK_H=block_h, OUT_BF16=bf16, num_warps=4)
+    return out
