@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes (8 experts, hidden 64, FFN 32, top-2, k 16, tokens 3)")
     p.add_argument("--json", default=None, help="write every number here")
-    p.add_argument("--sweep", action="store_true", help="also time w4a4_rac with several (fc1, fc2) tile configs")
+    p.add_argument("--sweep", action="store_true", help="also time w4a4 and w4a4_rac with several (fc1, fc2) tile configs")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
     args = p.parse_args(argv)
     if args.tiny:
@@ -253,9 +253,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def check_variants(x, tw, ti, w: Experts) -> dict:
-    """{variant: {case: (relative error, tolerance)}} of every variant against its reference."""
-    checks = {}
+def check_variants(x, tw, ti, w: Experts) -> tuple:
+    """({variant: {case: (relative error, tolerance)}} of every variant against its reference,
+    {mode: per-token agreement stats of the fp32 W4A4 checks})."""
+    checks, agreement = {}, {}
     w13f, w2f = w.w13_bf16.float(), w.w2_bf16.float()
     checks["bf16"] = {"loop": (rel_err(bf16_layer(x, tw, ti, w), loop_layer(x, tw, ti, w13f, w2f, bf16_fake_quant)),
                                BASELINE_TOL)}
@@ -273,10 +274,11 @@ def check_variants(x, tw, ti, w: Experts) -> dict:
                 from sglang_ext.kernels.reference import w4a4_moe_agreement
 
                 ok, stats = w4a4_moe_agreement(ours, ref, TOL[dtype])
+                agreement[mode] = stats
                 checks[mode]["float32 per token"] = (stats["median"] if ok else float("inf"), TOL[dtype])
                 continue
             checks[mode][str(dtype).split(".")[-1]] = (rel_err(ours, ref), TOL[dtype])
-    return checks
+    return checks, agreement
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -316,13 +318,21 @@ def kernel_profile(fn: Callable, calls: int = 5) -> list:
 
 def sweep_configs(t: int, e: int, topk: int) -> list:
     """Candidate (fc1, fc2) GemmConfigs for the layer at t tokens (--sweep), the default first."""
-    from sglang_ext.kernels.gemm import GemmConfig
+    from sglang_ext.kernels.gemm import GemmConfig as C
 
-    swap = [(GemmConfig(bm, 64, 128, 4, 4, 8, True), GemmConfig(bm, 64, 128, 4, 4, 8, True)) for bm in (16, 32, 64)]
-    plain = [(GemmConfig(bm, 64, 64, 4, 4), GemmConfig(bm, 64, 64, 4, 4)) for bm in (32, 64)]
-    big = [(GemmConfig(128, 64, 64, 8, 3), GemmConfig(128, 128, 32, 8, 4)), (GemmConfig(64, 128, 64, 8, 3), GemmConfig(64, 128, 64, 8, 3))]
     rows = t * topk / e
-    return [None] + (swap + plain if rows <= 32 else plain + swap[1:] + big if rows <= 128 else big + plain[1:])
+    if rows <= 32:
+        cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,
+                 (C(16, 128, 128, 8, 3, 8, True),) * 2, (C(16, 64, 128, 4, 3, 8, True),) * 2]
+    elif rows <= 128:
+        cands = [(C(64, 128, 64, 8, 3),) * 2, (C(64, 128, 64, 8, 4),) * 2, (C(64, 128, 128, 8, 3),) * 2,
+                 (C(64, 256, 64, 8, 3),) * 2, (C(128, 128, 64, 8, 3),) * 2, (C(32, 128, 64, 4, 4),) * 2,
+                 (C(32, 128, 128, 8, 3, 8, True),) * 2, (C(64, 128, 64, 8, 3), C(64, 64, 64, 4, 4))]
+    else:
+        cands = [(C(64, 128, 64, 8, 3),) * 2, (C(128, 128, 64, 8, 3),) * 2, (C(128, 128, 64, 8, 4),) * 2,
+                 (C(128, 256, 64, 8, 3),) * 2, (C(64, 256, 64, 8, 3),) * 2,
+                 (C(128, 128, 64, 8, 3), C(128, 128, 32, 8, 4))]
+    return [None] + cands
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -391,7 +401,7 @@ def run(args) -> dict:
         tw, ti = random_routing(t, args.num_experts, args.moe_router_topk, gen, dev)
         x = activations(t, args.hidden_size, gen, dev)
         hit = int(ti.unique().numel())
-        checks = check_variants(x, tw, ti, w)
+        checks, agreement = check_variants(x, tw, ti, w)
         ms = {}
         for name, layer in layers.items():
             try:
@@ -401,15 +411,16 @@ def run(args) -> dict:
         if args.sweep:
             ms["sweep"] = {}
             for cfgs in sweep_configs(t, args.num_experts, args.moe_router_topk):
-                layer = quads_layer("w4a4_rac", configs=cfgs)
-                key = "default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs)
-                try:
-                    ms["sweep"][key] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
-                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
-                    ms["sweep"][key] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
+                for mode in ("w4a4", "w4a4_rac"):
+                    layer = quads_layer(mode, configs=cfgs)
+                    key = mode + " " + ("default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs))
+                    try:
+                        ms["sweep"][key] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
+                        ms["sweep"][key] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
         if args.profile and dev.type == "cuda":
             ms["profile"] = {name: kernel_profile(lambda: layers[name](x, tw, ti, w)) for name in ("fp8", "w4a4", "w4a4_rac")}
-        row = dict(tokens=t, experts_hit=hit, ms=ms, checks=checks,
+        row = dict(tokens=t, experts_hit=hit, ms=ms, checks=checks, agreement=agreement,
                    weight_bytes=weight_bytes(args, hit, False), rac_weight_bytes=weight_bytes(args, hit, True))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -444,7 +455,7 @@ def main(argv=None) -> int:
     print(table(res["rows"], bw))
     for r in res["rows"]:
         for key, v in r["ms"].get("sweep", {}).items():
-            print(f"  T={r['tokens']} w4a4_rac {key}: {_ms(v)} ms")
+            print(f"  T={r['tokens']} {key}: {_ms(v)} ms")
         for name, kernels in r["ms"].get("profile", {}).items():
             total = sum(us for _, us in kernels)
             print(f"  T={r['tokens']} {name}: {len(kernels)} kernels, {total:.1f} us of kernel time per call")

@@ -10,9 +10,10 @@ Three launches instead of the ~25 small torch kernels of a sort-based form (each
 microseconds even inside a CUDA graph, which at decode is a sizeable share of the layer):
   1. per chunk of CHUNK routed rows, the row count of every expert;
   2. one program: padded expert starts, and every chunk's start within each expert (an exclusive
-     prefix over chunks), the expert id of every block, num_tokens_post_padded;
+     prefix over chunks), num_tokens_post_padded;
   3. per chunk, each row's slot = its chunk's start in its expert + its rank among the earlier
-     rows of the chunk with the same expert; the remaining slots get the pad id.
+     rows of the chunk with the same expert; per group of blocks, each block's expert id and the
+     pad id in its slots past that expert's rows.
 The torch definition (argsort-based) is `reference.moe_align_block_size`; they agree exactly.
 """
 
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 128  # routed rows per program of launches 1 and 3 (rank by a CHUNK x CHUNK comparison)
-FILL = 1024  # padded slots checked per program of launch 3
+FILL = 1024  # padded slots (whole blocks) given expert ids and pad ids per program of launch 3
 
 
 class Routing(NamedTuple):
@@ -48,11 +49,10 @@ def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.cons
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, expert_ids_ptr, npost_ptr,
-                    NUM_BLOCKS, BLOCK_M: tl.constexpr, E_POW: tl.constexpr, CB: tl.constexpr,
-                    BB: tl.constexpr):
-    """counts [NC, E] -> in place each chunk's first slot per expert; padded starts, totals,
-    expert id per block, num_tokens_post_padded (one program)."""
+def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, npost_ptr, BLOCK_M: tl.constexpr,
+                    E_POW: tl.constexpr, CB: tl.constexpr):
+    """counts [NC, E] -> in place each chunk's first slot per expert; padded starts, totals and
+    num_tokens_post_padded (one program)."""
     experts = tl.arange(0, E_POW)
     emask = experts < E
     total = tl.zeros((E_POW,), tl.int32)
@@ -61,8 +61,7 @@ def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, expert_ids_ptr, n
         m = (ch < NC)[:, None] & emask[None, :]
         total += tl.sum(tl.load(counts_ptr + ch[:, None] * E + experts[None, :], mask=m, other=0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, axis=0)
-    start = pad_end - padded
+    start = tl.cumsum(padded, axis=0) - padded
     tl.store(starts_ptr + experts, start, mask=emask)
     tl.store(totals_ptr + experts, total, mask=emask)
     tl.store(npost_ptr, tl.sum(padded, axis=0))
@@ -74,19 +73,14 @@ def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, expert_ids_ptr, n
         cnt = tl.load(ptrs, mask=m, other=0)
         tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=m)
         running += tl.sum(cnt, axis=0)
-    last = tl.where(emask, pad_end, 2147483647)
-    for b0 in range(0, NUM_BLOCKS, BB):
-        b = b0 + tl.arange(0, BB)
-        pos = b * BLOCK_M
-        expert = tl.sum((last[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + b, tl.minimum(expert, E - 1), mask=b < NUM_BLOCKS)
 
 
 @triton.jit
-def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, expert_ids_ptr, npost_ptr,
-                  sorted_ptr, NC, MAX_PADDED, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  FILL: tl.constexpr):
-    """sorted[base[c, e] + rank] = flat id for the rows of chunk c; pad id in the unused slots."""
+def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, npost_ptr, sorted_ptr,
+                  expert_ids_ptr, NC, NUM_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL_BLOCKS: tl.constexpr, E_POW: tl.constexpr):
+    """sorted[base[c, e] + rank] = flat id for the rows of chunk c; for FILL_BLOCKS blocks of slots:
+    their expert id, and the pad id in their slots past the expert's rows."""
     pid = tl.program_id(0)
     if pid < NC:
         i = tl.arange(0, CHUNK)
@@ -97,13 +91,23 @@ def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, expert_ids_pt
         rank = tl.sum(earlier.to(tl.int32), axis=1)
         base = tl.load(base_ptr + pid * E + e, mask=valid, other=0)
         tl.store(sorted_ptr + base + rank, idx, mask=valid)
-    p = pid * FILL + tl.arange(0, FILL)
-    pm = p < MAX_PADDED
-    eb = tl.load(expert_ids_ptr + p // BLOCK_M, mask=pm, other=0)
-    start = tl.load(starts_ptr + eb, mask=pm, other=0)
-    total = tl.load(totals_ptr + eb, mask=pm, other=0)
-    pad = (p - start >= total) | (p >= tl.load(npost_ptr))
-    tl.store(sorted_ptr + p, tl.zeros((FILL,), tl.int32) + M, mask=pm & pad)
+    # blocks b of this program: expert = experts whose padded run ends at or before b's first slot
+    experts = tl.arange(0, E_POW)
+    emask = experts < E
+    start = tl.load(starts_ptr + experts, mask=emask, other=0)
+    total = tl.load(totals_ptr + experts, mask=emask, other=0)
+    end = tl.where(emask, start + (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 2147483647)
+    b = pid * FILL_BLOCKS + tl.arange(0, FILL_BLOCKS)
+    bmask = b < NUM_BLOCKS
+    first = b * BLOCK_M
+    owner = tl.minimum(tl.sum((end[None, :] <= first[:, None]).to(tl.int32), axis=1), E - 1)
+    tl.store(expert_ids_ptr + b, owner, mask=bmask)
+    mine = experts[None, :] == owner[:, None]
+    rows_end = tl.sum(tl.where(mine, (start + total)[None, :], 0), axis=1)
+    rows_end = tl.where(first < tl.load(npost_ptr), rows_end, 0)
+    p = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    pad = bmask[:, None] & (p >= rows_end[:, None])
+    tl.store(sorted_ptr + p, tl.zeros((FILL_BLOCKS, BLOCK_M), tl.int32) + M, mask=pad)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Routing:
@@ -125,11 +129,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(nc,)](flat, m, counts, num_experts, CHUNK=CHUNK, E_POW=e_pow, num_warps=4)
-    _offsets_kernel[(1,)](counts, nc, num_experts, starts, totals, expert_ids, npost, num_blocks,
-                          BLOCK_M=block_m, E_POW=e_pow, CB=max(1, min(16, 4096 // e_pow)),
-                          BB=max(16, min(128, 16384 // e_pow)), num_warps=8)
-    grid = (max(nc, triton.cdiv(max_padded, FILL)),)
-    _place_kernel[grid](flat, m, counts, num_experts, starts, totals, expert_ids, npost,
-                        sorted_ids, nc, max_padded, BLOCK_M=block_m, CHUNK=CHUNK, FILL=FILL,
-                        num_warps=4)
+    _offsets_kernel[(1,)](counts, nc, num_experts, starts, totals, npost, BLOCK_M=block_m,
+                          E_POW=e_pow, CB=max(1, min(64, 16384 // e_pow)), num_warps=8)
+    fill_blocks = max(1, FILL // block_m)
+    grid = (max(nc, triton.cdiv(num_blocks, fill_blocks)),)
+    _place_kernel[grid](flat, m, counts, num_experts, starts, totals, npost, sorted_ids, expert_ids,
+                        nc, num_blocks, BLOCK_M=block_m, CHUNK=CHUNK, FILL_BLOCKS=fill_blocks,
+                        E_POW=e_pow, num_warps=4)
     return Routing(sorted_ids, expert_ids, npost)

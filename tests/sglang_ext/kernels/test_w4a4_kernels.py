@@ -375,6 +375,7 @@ def test_fused_moe_matches_reference_gpu(mode, dtype, t):
                                           ("w4a4_rac", torch.bfloat16, 16),
                                           ("w4a4_rac", torch.float32, 1024),
                                           ("w4a4_rac", torch.bfloat16, 4096),
+                                          ("w4a4_rac", torch.float32, 4096),
                                           ("w4a4", torch.float32, 64),
                                           ("w4a16", torch.float32, 256)])
 def test_fused_moe_full_size_random_routing_gpu(mode, dtype, t):
@@ -464,7 +465,7 @@ DEVICES = [pytest.param("cpu", marks=cpu_kernels), pytest.param("cuda", marks=gp
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("tokens,topk,experts,block_m", [(3, 2, 4, 4), (40, 8, 128, 16), (37, 4, 5, 64), (300, 2, 6, 16)])
+@pytest.mark.parametrize("tokens,topk,experts,block_m", [(3, 2, 4, 4), (40, 8, 128, 16), (37, 4, 5, 64), (300, 2, 6, 16), (700, 2, 40, 64)])
 def test_routing_matches_the_argsort_definition(dev, tokens, topk, experts, block_m):
     """The three-launch Triton routing equals the stable-argsort torch definition exactly, over several
     chunks of rows (300 x 2 > 128), empty experts (128 experts for 320 rows) and E not a power of two."""
