@@ -162,18 +162,6 @@ def _w4a4_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_RES:
-        # RAC's first residual step is loaded here, ahead of the main loop, so its latency hides
-        # behind the main loop instead of stalling after it (the step is not pipelined)
-        rw_rows = rw_ptr + expert * stride_rwe + offs_nl[:, None] * stride_rwn
-        r_rows = rv_ptr + a_rows[:, None] * KR
-        j = tl.arange(0, BLOCK_KR)
-        if EVEN_KR:
-            wg0 = tl.load(rw_rows + j[None, :])
-            rt0 = tl.load(r_rows + j[None, :])
-        else:
-            wg0 = tl.load(rw_rows + j[None, :], mask=(j < KR)[None, :], other=0.0)
-            rt0 = tl.load(r_rows + j[None, :], mask=(j < KR)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             ww = tl.load(w_ptrs)
@@ -207,16 +195,20 @@ def _w4a4_gemm_kernel(
                 acc = acc * tl.math.div_rn(sdec, rdec)[None, :]
             else:
                 acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
-            acc = _mma(acc, rt0, wg0, SWAP_AB, DOT_F32)
-            # further steps when k > BLOCK_KR; not pipelined (no extra shared-memory stages)
-            for j0 in tl.range(BLOCK_KR, KR, BLOCK_KR, num_stages=1):
+            rw_rows = rw_ptr + expert * stride_rwe + offs_n[:, None].to(tl.int64) * stride_rwn
+            r_rows = rv_ptr + a_rows[:, None] * KR
+            # one step at k <= BLOCK_K; not pipelined (no extra shared-memory stages: occupancy)
+            for j0 in tl.range(0, KR, BLOCK_KR, num_stages=1):
                 j = j0 + tl.arange(0, BLOCK_KR)
                 if EVEN_KR:
-                    wg = tl.load(rw_rows + j[None, :])
-                    rt = tl.load(r_rows + j[None, :])
+                    wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None], other=0.0)
+                    rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None], other=0.0)
                 else:
-                    wg = tl.load(rw_rows + j[None, :], mask=(j < KR)[None, :], other=0.0)
-                    rt = tl.load(r_rows + j[None, :], mask=(j < KR)[None, :], other=0.0)
+                    jmask = j < KR
+                    wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None] & jmask[None, :],
+                                 other=0.0)
+                    rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None] & jmask[None, :],
+                                 other=0.0)
                 acc = _mma(acc, rt, wg, SWAP_AB, DOT_F32)
             sdec = rdec
         if SWAP_AB:
@@ -258,7 +250,7 @@ def default_config(rows_per_expert: float, n: int, k: int) -> GemmConfig:
     if rows_per_expert <= 16:
         return GemmConfig(16, 64, bk, 4, 4, 8, True)
     if rows_per_expert <= 64:
-        return GemmConfig(64, 128, min(bk, 64), 8, 3)
+        return GemmConfig(64, 128, bk, 8, 3)
     return GemmConfig(128, 128, min(bk, 64), 8, 3)
 
 
@@ -302,7 +294,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                          f"values [rows, k], got {comp_weight.dtype} {tuple(comp_weight.shape)} "
                          f"and {tuple(r[0].shape)}")
     rw = comp_weight if kr else w_scale_2
-    bkr = min(128, max(16, triton.next_power_of_2(max(kr, 1))))  # k <= 128: one prefetched step
+    bkr = min(bk, max(16, triton.next_power_of_2(max(kr, 1))))
     out_bf16 = out.dtype == torch.bfloat16
     c = out.view(torch.uint16) if out_bf16 else out
     grid = (num_m_blocks * triton.cdiv(n, bn),)
