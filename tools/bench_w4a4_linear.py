@@ -1,0 +1,75 @@
+"""Time the dense NVFP4 linear (`w4a4_linear`, whole op: activation pre-pass + GEMM) against cuBLAS BF16.
+
+Issue 13's dense goal: attention / shared projections at decode sizes (M = 16-256) not slower than
+a BF16 matmul. Shapes of Qwen3-30B-A3B's attention (q/k/v fused 2048 -> 5120, o 4096 -> 2048).
+Each call is captured in a CUDA graph (16 calls per graph over 16 weight copies, so weights come
+from HBM, not L2), median of the replays; our ops skip the host-syncing checks.
+
+    PYTHONPATH=. python3 tools/bench_w4a4_linear.py [--m 16 64 256] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+COPIES = 16
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--shapes", default="5120x2048,2048x4096", help="N x K of each linear")
+    p.add_argument("--rac-channels", type=int, default=64)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_w4a4_linear times CUDA graphs: it needs a GPU")
+    from quads_megatron.nvfp4 import quantize
+    from quads_megatron.study.timing import graph_replay_ms
+    from sglang_ext.kernels import w4a4_linear
+    from sglang_ext.kernels.rac_columns import rac_weight_columns
+
+    dev = torch.device("cuda")
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        q = [(t.data, t.scale, t.global_scale.reshape(()).float()) for t in (quantize(w.float()) for w in wb)]
+        comp = torch.sort(torch.randperm(k, device=dev)[:args.rac_channels]).values.to(torch.int32)
+        cols = [rac_weight_columns(d, s, comp) for d, s, _ in q]
+        for m in args.m:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            it = iter(range(10 ** 9))
+            ms = {"bf16": graph_replay_ms(lambda: x @ wb[next(it) % COPIES].t(), args.iters, COPIES)}
+            for mode in ("w4a16", "w4a4", "w4a4_rac"):
+                extra = dict(comp_index=comp) if mode == "w4a4_rac" else {}
+
+                def ours(mode=mode, extra=extra):
+                    i = next(it) % COPIES
+                    d, s, s2 = q[i]
+                    cw = dict(comp_weight=cols[i]) if extra else {}
+                    return w4a4_linear(x, d, s, s2, act_mode=mode, backend="triton", check_inputs=False, **extra, **cw)
+
+                ms[mode] = graph_replay_ms(ours, args.iters, COPIES)
+            rows.append(dict(n=n, k=k, m=m, ms=ms))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}; ms per call (CUDA graphs, weights from HBM)")
+    print("| M x N x K | BF16 (cuBLAS) | w4a16 | w4a4 | w4a4_rac | RAC vs BF16 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ms = r["ms"]
+        print(f"| {r['m']}x{r['n']}x{r['k']} | {ms['bf16']:.4f} | {ms['w4a16']:.4f} | {ms['w4a4']:.4f} | "
+              f"{ms['w4a4_rac']:.4f} | {ms['bf16'] / ms['w4a4_rac']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
