@@ -134,13 +134,15 @@ class QuantizedActivation(NamedTuple):
 
 def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] = None,
                             input_scale=None, groups: Optional[torch.Tensor] = None,
-                            silu_mul: bool = False, block_m: int = 4,
+                            silu_mul: bool = False, block_m: Optional[int] = None,
                             with_values: bool = True) -> QuantizedActivation:
     """x [M, K] (or [M, 2K] gate|up with silu_mul) -> QuantizedActivation (no host syncs).
 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
     static per-tensor activation decode scale (the residual keeps a per-row scale);
-    with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual).
+    with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual);
+    block_m: rows per program (default: 1 row in one or two 1024-wide sweeps below 512 rows, where
+    a few 4-row programs would leave the GPU idle; else 4 rows, 256 wide).
     Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
     `quads_megatron.rac.quantize_compensated`.
     """
@@ -178,7 +180,9 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     if m_rows == 0:
         return QuantizedActivation(data, scale, s_dec, values, r_data, r_scale, r_s_dec,
                                    r_values)
-    block_k = min(256, triton.next_power_of_2(k))
+    if block_m is None:
+        block_m = 1 if m_rows < 512 else 4
+    block_k = min(1024 if block_m == 1 else 256, triton.next_power_of_2(k))
     block_kr = max(16, triton.next_power_of_2(max(kr, 1)))
     grid = (triton.cdiv(m_rows, block_m),)
     _act_quant_kernel[grid](

@@ -7,6 +7,8 @@ once (round to nearest even). One launch instead of the cast / sum / cast of the
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -29,15 +31,19 @@ def _topk_sum_kernel(rows_ptr, out_ptr, H, TOPK: tl.constexpr, TOPK_POW: tl.cons
         tl.store(out_ptr + t * H + cols, s.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
-def topk_sum(rows: torch.Tensor, topk: int) -> torch.Tensor:
-    """rows [T * topk, H] (row t * topk + j: token t's slot j) -> [T, H] in rows.dtype, summed in fp32."""
+def topk_sum(rows: torch.Tensor, topk: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rows [T * topk, H] (row t * topk + j: token t's slot j) -> [T, H] summed in fp32, rounded to
+    out's dtype (default rows.dtype). The split-K GEMM sums its fp32 partials with it too."""
     if rows.ndim != 2 or not rows.is_contiguous() or rows.shape[0] % topk:
         raise ValueError(f"rows: expected a contiguous [T * {topk}, H] tensor, got {tuple(rows.shape)}")
     t, h = rows.shape[0] // topk, rows.shape[1]
-    out = torch.empty(t, h, dtype=rows.dtype, device=rows.device)
+    if out is None:
+        out = torch.empty(t, h, dtype=rows.dtype, device=rows.device)
+    elif out.shape != (t, h) or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous [{t}, {h}] tensor, got {tuple(out.shape)}")
     if t == 0:
         return out
-    bf16 = rows.dtype == torch.bfloat16
+    bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.uint16) if bf16 else out
     block_h = min(1024, triton.next_power_of_2(h))
     _topk_sum_kernel[(t, triton.cdiv(h, block_h))](rows, dst, h, TOPK=topk, TOPK_POW=max(2, triton.next_power_of_2(topk)),

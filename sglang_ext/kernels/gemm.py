@@ -35,6 +35,7 @@ faster than the plain tile (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,6 +43,8 @@ import triton
 import triton.language as tl
 
 from quads_megatron.nvfp4.triton_kernels import bf16_round
+
+from .combine import topk_sum
 
 
 @triton.jit
@@ -113,8 +116,8 @@ def _w4a4_gemm_kernel(
         w32_ptr, ws_ptr, ws2_ptr, stride_we, stride_wn, stride_wse, stride_wsn,
         c_ptr, stride_cm, bias_ptr, topk_w_ptr,
         sorted_ptr, expert_ptr, npost_ptr,
-        M, N, K, A_ROW_DIV, NUM_M_BLOCKS,
-        ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        M, N, K, K_SPLIT, A_ROW_DIV, NUM_M_BLOCKS,
+        SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
         OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -122,7 +125,9 @@ def _w4a4_gemm_kernel(
         GROUP_M: tl.constexpr):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
-    + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns)."""
+    + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
+    SPLIT_K > 1 (dense only): program axis 1 takes K_SPLIT of K and stores its fp32 partial
+    (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `split_sum`."""
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -131,6 +136,13 @@ def _w4a4_gemm_kernel(
     group_m = tl.minimum(NUM_M_BLOCKS - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
+    pid_k = tl.program_id(1)
+    if SPLIT_K == 1:  # a constant start: the loads' 16-byte alignment stays provable
+        k_start = 0
+        k_end = K
+    else:
+        k_start = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)
+        k_end = tl.minimum(K, k_start + K_SPLIT)
 
     offs_m = tl.arange(0, BLOCK_M)
     if ROUTED:
@@ -153,16 +165,16 @@ def _w4a4_gemm_kernel(
     # all and advances its pointers, which keeps the per-step address math off the decode's ALUs.
     offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
     w_ptrs = w32_ptr + expert * (stride_we // 4) + offs_nl[:, None] * (stride_wn // 4) \
-        + tl.arange(0, BLOCK_K // 8)[None, :]
+        + (tl.multiple_of(k_start // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
     s_ptrs = ws_ptr + expert * stride_wse + offs_nl[:, None] * stride_wsn \
-        + tl.arange(0, BLOCK_K // 16)[None, :]
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
+        + (tl.multiple_of(k_start // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16))[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + tl.arange(0, BLOCK_K))[None, :]
 
     if SWAP_AB:  # accumulate C^T (transposed back before the epilogue)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             ww = tl.load(w_ptrs)
             wsb = tl.load(s_ptrs)
@@ -190,7 +202,12 @@ def _w4a4_gemm_kernel(
         if HAS_RES:
             # RAC: + rq Wq[:, S]^T as k more K-steps (the residual has its own per-row S_dec:
             # rescale the accumulator to it and keep one accumulator)
+            # (split 0 only: the other splits run no residual step and keep their S_dec)
             rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
+            kr_run = KR
+            if SPLIT_K > 1:
+                rdec = tl.where(pid_k == 0, rdec, sdec)
+                kr_run = tl.where(pid_k == 0, KR, 0)
             if SWAP_AB:
                 acc = acc * tl.math.div_rn(sdec, rdec)[None, :]
             else:
@@ -198,7 +215,7 @@ def _w4a4_gemm_kernel(
             rw_rows = rw_ptr + expert * stride_rwe + offs_n[:, None].to(tl.int64) * stride_rwn
             r_rows = rv_ptr + a_rows[:, None] * KR
             # one step at k <= BLOCK_K; not pipelined (no extra shared-memory stages: occupancy)
-            for j0 in tl.range(0, KR, BLOCK_KR, num_stages=1):
+            for j0 in tl.range(0, kr_run, BLOCK_KR, num_stages=1):
                 j = j0 + tl.arange(0, BLOCK_KR)
                 if EVEN_KR:
                     wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None], other=0.0)
@@ -215,9 +232,14 @@ def _w4a4_gemm_kernel(
             acc = tl.trans(acc)
         out = acc * sdec[:, None] * (ws2 * 16384.0)
     if HAS_BIAS:
-        out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bias_mask = n_mask
+        if SPLIT_K > 1:
+            bias_mask = bias_mask & (pid_k == 0)
+        out = out + tl.load(bias_ptr + offs_n, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         out = out * tl.load(topk_w_ptr + c_rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    if SPLIT_K > 1:
+        c_rows = c_rows * SPLIT_K + pid_k
     c_off = c_rows[:, None] * stride_cm + offs_n[None, :]
     c_mask = row_mask[:, None] & n_mask[None, :]
     if OUT_BF16:
@@ -235,6 +257,7 @@ class GemmConfig(NamedTuple):
     num_stages: int
     group_m: int = 8
     swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
+    split_k: int = 1  # dense only: K split over this many programs per tile, fp32 partials summed
 
 
 def interpreting() -> bool:
@@ -243,15 +266,32 @@ def interpreting() -> bool:
     return type(_w4a4_gemm_kernel).__name__ == "InterpretedFunction"
 
 
-def default_config(rows_per_expert: float, n: int, k: int) -> GemmConfig:
+def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
     """Tile choice by rows per expert (decode: weight streaming; prefill: tensor-core bound).
-    All are spill-free on sm_90 (ptxas); see docs/benchmarks.md for the measured sweep."""
+    rac: the launch runs the residual K-steps too; at prefill its tile then takes K 128 (fewer
+    main-loop trips around the extra residual traffic: +12% over W4A4 at 4096 tokens on the
+    H200, +27% with K 64). All are spill-free on sm_90 (ptxas); docs/benchmarks.md has the sweep."""
     bk = 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
     if rows_per_expert <= 16:
         return GemmConfig(16, 64, bk, 4, 4, 8, True)
     if rows_per_expert <= 64:
         return GemmConfig(64, 128, bk, 8, 3)
-    return GemmConfig(128, 128, min(bk, 64), 8, 3)
+    return GemmConfig(128, 128, bk if rac else min(bk, 64), 8, 3)
+
+
+def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
+    """Split K (powers of 2) until a dense launch of `programs` tiles has >= 2 x SMs programs,
+    keeping >= 4 K-steps per split: at decode M a dense layer has too few tiles to stream its
+    weight at HBM speed (16 x 2048 x 4096: 32 programs on 132 SMs)."""
+    split = 1
+    while programs * split < 2 * num_sms and k_steps // (2 * split) >= 4:
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _words(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -278,9 +318,17 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         raise ValueError("activation: expected a row-major tensor")
     if config is None:
         rows = m if routing is None else m / max(1, e)
-        config = default_config(rows, n, k)
+        config = default_config(rows, n, k, rac=r is not None)
+        if routing is None and a.is_cuda and not interpreting():
+            config = config._replace(split_k=dense_split_k(
+                triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),
+                triton.cdiv(k, config.block_k), _num_sms(a.device)))
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
+    split = config.split_k
+    if split > 1 and (routing is not None or topk_weights is not None):
+        raise ValueError("split_k > 1 is for the dense GEMM only (the grouped one has enough tiles)")
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     if routing is None:
         num_m_blocks = triton.cdiv(m, bm)
         sorted_ids = expert_ids = npost = w_scale_2
@@ -295,9 +343,12 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                          f"and {tuple(r[0].shape)}")
     rw = comp_weight if kr else w_scale_2
     bkr = min(bk, max(16, triton.next_power_of_2(max(kr, 1))))
-    out_bf16 = out.dtype == torch.bfloat16
-    c = out.view(torch.uint16) if out_bf16 else out
-    grid = (num_m_blocks * triton.cdiv(n, bn),)
+    if split > 1:  # fp32 partials, row m * split + s
+        c = torch.empty(m * split, n, dtype=torch.float32, device=out.device)
+    else:
+        c = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out
+    out_bf16 = c.dtype == torch.uint16
+    grid = (num_m_blocks * triton.cdiv(n, bn), split)
     ws = w_scale.view(torch.uint8)
     _w4a4_gemm_kernel[grid](
         a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
@@ -306,11 +357,13 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), ws.stride(0),
         ws.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
-        sorted_ids, expert_ids, npost, m, n, k, a_row_div, num_m_blocks,
-        ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
+        sorted_ids, expert_ids, npost, m, n, k, k_split, a_row_div, num_m_blocks,
+        SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
         EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        topk_sum(c, split, out=out)
     return out

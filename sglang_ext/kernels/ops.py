@@ -33,6 +33,7 @@ from .combine import topk_sum
 from .gemm import default_config, launch_gemm
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
+from .silu_mul import silu_and_mul
 
 __all__ = ["w4a4_linear", "w4a4_fused_moe"]
 
@@ -127,8 +128,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if m == 0:
         return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    cfg1, cfg2 = configs if configs is not None else (default_config(m / num_experts, 2 * f, hidden),
-                                                      default_config(m / num_experts, hidden, f))
+    cfg1, cfg2 = configs if configs is not None else (
+        default_config(m / num_experts, 2 * f, hidden, rac=c13 is not None),
+        default_config(m / num_experts, hidden, f, rac=c2 is not None))
     cfg2 = cfg2._replace(block_m=cfg1.block_m)
     routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
@@ -137,8 +139,7 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if act_mode == "w4a16":
         launch_gemm(x, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
                     routing=routing, a_row_div=topk, config=cfg1)
-        g, u = inter.to(torch.float32).split(f, dim=-1)
-        h = (torch.nn.functional.silu(g) * u).to(x.dtype)
+        h = silu_and_mul(inter)
     else:
         qa = quantize_activation_rac(x, c13, w13_input_scale)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)

@@ -107,13 +107,13 @@ def test_decode_words_exhaustive_gpu():
     _check_decode("cuda")
 
 
-def _check_act_quant(device, dtype, static, grouped, m, k_in, k):
+def _check_act_quant(device, dtype, static, grouped, m, k_in, k, block_m=None):
     gen = torch.Generator().manual_seed(m * 7 + k_in)
     x = activations(m, k_in, dtype, device, gen)
     groups = torch.randint(0, 3, (m,), generator=gen).to(device) if grouped else None
     ci = comp(k_in, k, gen, 3 if grouped else None).to(device)
     iscale = torch.tensor(float(x.float().abs().max()) / 2688 * 0.7) if static else None
-    qa = quantize_activation_rac(x, ci, iscale, groups)
+    qa = quantize_activation_rac(x, ci, iscale, groups, block_m=block_m)
     qx, qr = quantize_compensated(x, ci, iscale, groups)
     assert torch.equal(qa.data, qx.data)
     assert torch.equal(qa.scale, qx.scale.view(torch.uint8))
@@ -130,13 +130,14 @@ def _check_act_quant(device, dtype, static, grouped, m, k_in, k):
 
 
 @cpu_kernels
-@pytest.mark.parametrize("dtype,static,grouped,m,k_in,k", [
-    (torch.bfloat16, False, False, 5, 48, 16),    # K = 16 * 3
-    (torch.float32, True, False, 3, 80, 32),
-    (torch.bfloat16, False, True, 6, 272, 48),   # per-expert sets, K > one block
+@pytest.mark.parametrize("dtype,static,grouped,m,k_in,k,block_m", [
+    (torch.bfloat16, False, False, 5, 48, 16, None),    # K = 16 * 3
+    (torch.float32, True, False, 3, 80, 32, None),
+    (torch.bfloat16, False, True, 6, 272, 48, 4),   # per-expert sets, 4-row programs, K > 256
+    (torch.float32, False, False, 2, 1040, 16, None),  # one row per program, K > 1024
 ])
-def test_act_quant_bit_exact_cpu(dtype, static, grouped, m, k_in, k):
-    _check_act_quant("cpu", dtype, static, grouped, m, k_in, k)
+def test_act_quant_bit_exact_cpu(dtype, static, grouped, m, k_in, k, block_m):
+    _check_act_quant("cpu", dtype, static, grouped, m, k_in, k, block_m)
 
 
 @gpu
@@ -144,8 +145,9 @@ def test_act_quant_bit_exact_cpu(dtype, static, grouped, m, k_in, k):
                                                   (torch.float32, True, False),
                                                   (torch.float32, False, False),
                                                   (torch.bfloat16, False, True)])
-def test_act_quant_bit_exact_gpu(dtype, static, grouped):
-    _check_act_quant("cuda", dtype, static, grouped, 77, 2064, 64)
+@pytest.mark.parametrize("m", [77, 600])  # the default block_m: 1 row per program, then 4
+def test_act_quant_bit_exact_gpu(dtype, static, grouped, m):
+    _check_act_quant("cuda", dtype, static, grouped, m, 2064, 64)
 
 
 # ---- dense linear ----------------------------------------------------------------------
@@ -231,6 +233,69 @@ def test_rac_weight_columns_are_the_dequantized_columns():
                        rac_weight_columns(wd, ws, one)[1])
     with pytest.raises(ValueError, match="one set per expert"):
         rac_weight_columns(wd[0], ws[0], per)
+
+
+def _check_split_k(device, mode, dtype, m, n, k_in, k, config):
+    """A dense GEMM with K split over programs (fp32 partials, bias and the RAC residual in split 0,
+    summed once) equals the reference at the fp32-accumulation level."""
+    from sglang_ext.kernels.gemm import launch_gemm
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = activations(m, k_in, dtype, device, gen)
+    wd, ws, ws2 = packed((n, k_in), device, gen=gen)
+    ci = comp(k_in, k, gen).to(device) if k else None
+    b = torch.randn(n, generator=gen).to(device)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    w = (wd[None], ws[None], ws2.reshape(1))
+    if mode == "w4a16":
+        launch_gemm(x, None, *w, out, m=m, w4a16=True, bias=b, config=config)
+    else:
+        qa = quantize_activation_rac(x, ci)
+        r = None if ci is None else (qa.r_values, qa.r_s_dec)
+        cols = None if ci is None else rac_weight_columns(wd, ws, ci)[None]
+        launch_gemm(qa.values, qa.s_dec, *w, out, m=m, r=r, comp_weight=cols, bias=b,
+                    config=config)
+    ref = reference.w4a4_linear(x.cpu(), wd.cpu(), ws.cpu(), ws2.cpu(), act_mode=mode,
+                                comp_index=None if ci is None else ci.cpu(), bias=b.cpu())
+    assert rel(out.cpu(), ref) < (FP32_TOL[mode] if dtype == torch.float32 else 4e-3)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("mode,dtype,block_k,split", [
+    ("w4a4_rac", torch.float32, 16, 3),   # 17 K-steps over 3 splits (6, 6, 5)
+    ("w4a4_rac", torch.bfloat16, 32, 2),  # K % BLOCK_K != 0: the last split's step is masked
+    ("w4a4", torch.float32, 16, 5),
+    ("w4a16", torch.float32, 16, 4),
+])
+def test_split_k_dense_gemm_cpu(mode, dtype, block_k, split):
+    from sglang_ext.kernels.gemm import GemmConfig
+
+    _check_split_k("cpu", mode, dtype, 5, 40, 272, 32 if mode == "w4a4_rac" else 0,
+                   GemmConfig(16, 16, block_k, 4, 2, split_k=split))
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype,m,n,k_in", [("w4a4_rac", torch.float32, 16, 2048, 4096),
+                                                 ("w4a4_rac", torch.bfloat16, 64, 5120, 2048),
+                                                 ("w4a16", torch.bfloat16, 16, 2048, 4096)])
+def test_split_k_dense_gemm_gpu(mode, dtype, m, n, k_in):
+    """The default config at decode M (`dense_split_k` picks the split) against the reference."""
+    from sglang_ext.kernels.gemm import _num_sms, default_config, dense_split_k
+
+    cfg = default_config(m, n, k_in, rac=mode == "w4a4_rac")
+    split = dense_split_k(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),
+                          triton.cdiv(k_in, cfg.block_k), _num_sms(torch.device("cuda")))
+    assert split > 1
+    _check_split_k("cuda", mode, dtype, m, n, k_in, 64 if mode == "w4a4_rac" else 0, None)
+
+
+def test_dense_split_k_fills_the_machine():
+    from sglang_ext.kernels.gemm import dense_split_k
+
+    assert dense_split_k(32, 32, 132) == 8     # 256 programs, 4 K-steps each
+    assert dense_split_k(80, 16, 132) == 4     # 320 programs
+    assert dense_split_k(300, 64, 132) == 1    # already >= 2 x SMs
+    assert dense_split_k(10, 8, 132) == 2      # K-steps bound it: >= 4 per split
 
 
 @gpu
@@ -505,6 +570,26 @@ def test_topk_sum_matches_a_float64_sum(dev, dtype):
     assert ((got.double() - exact).abs() <= 0.5 * ulp + 1e-5 * exact.abs() + 1e-30).all()
     with pytest.raises(ValueError, match="rows"):
         topk_sum(rows[:14].to(dev), 3)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,f", [(7, 40), (3, 1100)])  # 1100: two column blocks, the last partial
+def test_silu_and_mul_matches_a_float64_definition(dev, dtype, m, f):
+    """h = SiLU(gate) * up over [gate | up] rows: within half an ulp of the output dtype of the exact
+    (float64) value of the same inputs, plus fp32 evaluation error."""
+    from sglang_ext.kernels.silu_mul import silu_and_mul
+
+    gen = torch.Generator().manual_seed(2)
+    gu = (torch.randn(m, 2 * f, generator=gen) * 3).to(dtype)
+    got = silu_and_mul(gu.to(dev)).cpu()
+    g, u = gu.double()[:, :f], gu.double()[:, f:]
+    exact = g / (1 + torch.exp(-g)) * u
+    ulp = torch.finfo(dtype).eps * exact.abs()
+    assert got.dtype == dtype and got.shape == (m, f)
+    assert ((got.double() - exact).abs() <= 0.5 * ulp + 1e-6 * exact.abs() + 1e-30).all()
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_and_mul(gu[:, :-1].to(dev))
 
 
 # ---- bad input -------------------------------------------------------------------------
