@@ -5,7 +5,10 @@ a BF16 matmul. Shapes of Qwen3-30B-A3B's attention (q/k/v fused 2048 -> 5120, o 
 Each call is captured in a CUDA graph (16 calls per graph over 16 weight copies, so weights come
 from HBM, not L2), median of the replays; our ops skip the host-syncing checks.
 
-    PYTHONPATH=. python3 tools/bench_w4a4_linear.py [--m 16 64 256] [--json out.json]
+    PYTHONPATH=. python3 tools/bench_w4a4_linear.py [--m 16 64 256] [--json out.json] [--sweep]
+
+--sweep also times the parts: the activation pre-pass alone, and the GEMM alone (w4a16, and
+w4a4_rac on a pre-quantized activation) under several tile / split-K configs, the default first.
 """
 
 from __future__ import annotations
@@ -19,6 +22,19 @@ import torch
 COPIES = 16
 
 
+def sweep_configs(m: int) -> list:
+    """Candidate dense GemmConfigs at m rows (--sweep), None (the default) first."""
+    from sglang_ext.kernels.gemm import GemmConfig as C
+
+    if m <= 16:
+        tiles = [C(16, 64, 128, 4, 4, 8, True), C(16, 128, 128, 8, 3, 8, True)]
+    elif m <= 64:
+        tiles = [C(64, 128, 128, 8, 3), C(64, 64, 128, 4, 3), C(32, 64, 128, 4, 4, 8, True)]
+    else:
+        tiles = [C(128, 128, 64, 8, 3), C(128, 128, 128, 8, 3), C(64, 128, 128, 8, 3), C(128, 64, 128, 4, 3)]
+    return [None] + [t._replace(split_k=s) for t in tiles for s in (1, 2, 4, 8)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[16, 64, 256])
@@ -26,12 +42,15 @@ def main(argv=None) -> int:
     p.add_argument("--rac-channels", type=int, default=64)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", action="store_true", help="also time the pre-pass and the GEMM alone per config")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_w4a4_linear times CUDA graphs: it needs a GPU")
     from quads_megatron.nvfp4 import quantize
     from quads_megatron.study.timing import graph_replay_ms
     from sglang_ext.kernels import w4a4_linear
+    from sglang_ext.kernels.act_quant import quantize_activation_rac
+    from sglang_ext.kernels.gemm import launch_gemm
     from sglang_ext.kernels.rac_columns import rac_weight_columns
 
     dev = torch.device("cuda")
@@ -56,6 +75,25 @@ def main(argv=None) -> int:
                     return w4a4_linear(x, d, s, s2, act_mode=mode, backend="triton", check_inputs=False, **extra, **cw)
 
                 ms[mode] = graph_replay_ms(ours, args.iters, COPIES)
+            if args.sweep:
+                ms["act_quant_rac"] = graph_replay_ms(lambda: quantize_activation_rac(x, comp), args.iters, COPIES)
+                qa = quantize_activation_rac(x, comp)
+                out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+                for cfg in sweep_configs(m):
+                    def gemm(w4a16, cfg=cfg):
+                        i = next(it) % COPIES
+                        d, s, s2 = q[i]
+                        w = (d[None], s[None], s2.reshape(1))
+                        if w4a16:
+                            return launch_gemm(x, None, *w, out, m=m, w4a16=True, config=cfg)
+                        return launch_gemm(qa.values, qa.s_dec, *w, out, m=m, r=(qa.r_values, qa.r_s_dec),
+                                           comp_weight=cols[i][None], config=cfg)
+                    key = "default" if cfg is None else ",".join(str(int(v)) for v in cfg)
+                    for name, flag in (("gemm_w4a16", True), ("gemm_rac", False)):
+                        try:
+                            ms[f"{name} {key}"] = graph_replay_ms(lambda: gemm(flag), args.iters, COPIES)
+                        except Exception as exc:  # a config that does not compile here: report it
+                            ms[f"{name} {key}"] = f"ERR {type(exc).__name__}: {str(exc)[:60]}"
             rows.append(dict(n=n, k=k, m=m, ms=ms))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}; ms per call (CUDA graphs, weights from HBM)")
@@ -65,6 +103,14 @@ def main(argv=None) -> int:
         ms = r["ms"]
         print(f"| {r['m']}x{r['n']}x{r['k']} | {ms['bf16']:.4f} | {ms['w4a16']:.4f} | {ms['w4a4']:.4f} | "
               f"{ms['w4a4_rac']:.4f} | {ms['bf16'] / ms['w4a4_rac']:.2f}x |")
+    for r in rows:
+        parts = {key: v for key, v in r["ms"].items() if key.startswith(("gemm", "act"))}
+        if parts:
+            best = {name: min((v, key) for key, v in parts.items() if key.startswith(name) and isinstance(v, float))
+                    for name in ("gemm_w4a16", "gemm_rac")}
+            print(f"  {r['m']}x{r['n']}x{r['k']}: act_quant_rac {parts['act_quant_rac']:.4f}; "
+                  + "; ".join(f"{name} default {parts[name + ' default']:.4f}, best {v:.4f} ({key.split(' ')[1]})"
+                              for name, (v, key) in best.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

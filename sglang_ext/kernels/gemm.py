@@ -267,7 +267,8 @@ def interpreting() -> bool:
 
 
 def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
-    """Tile choice by rows per expert (decode: weight streaming; prefill: tensor-core bound).
+    """Grouped (MoE) tile choice by rows per expert (decode: weight streaming; prefill:
+    tensor-core bound); the dense GEMM takes `dense_config`.
     rac: the launch runs the residual K-steps too; at prefill its tile then takes K 128 (fewer
     main-loop trips around the extra residual traffic: +12% over W4A4 at 4096 tokens on the
     H200, +27% with K 64). All are spill-free on sm_90 (ptxas); docs/benchmarks.md has the sweep."""
@@ -280,13 +281,27 @@ def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) ->
 
 
 def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
-    """Split K (powers of 2) until a dense launch of `programs` tiles has >= 2 x SMs programs,
-    keeping >= 4 K-steps per split: at decode M a dense layer has too few tiles to stream its
-    weight at HBM speed (16 x 2048 x 4096: 32 programs on 132 SMs)."""
+    """Split K (powers of 2, at most 8) until a dense launch of `programs` tiles has >= 2 x SMs
+    programs, keeping >= 4 K-steps per split: at decode M a dense layer has too few tiles to
+    stream its weight at HBM speed (16 x 2048 x 4096: 32 programs on 132 SMs)."""
     split = 1
-    while programs * split < 2 * num_sms and k_steps // (2 * split) >= 4:
+    while programs * split < 2 * num_sms and k_steps // (2 * split) >= 4 and split < 8:
         split *= 2
     return split
+
+
+def dense_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    """Tile and split-K of the dense GEMM (attention / shared projections) at m rows, from the
+    H200 sweep of `tools/bench_w4a4_linear.py --sweep` (docs/benchmarks.md); num_sms 0: no split."""
+    bk = 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
+    if m <= 16:
+        tile = GemmConfig(16, 64, bk, 4, 4, 8, True)
+    elif m <= 64:
+        tile = GemmConfig(64, 64, bk, 4, 3)
+    else:
+        tile = GemmConfig(128, 128, min(bk, 64), 8, 3)
+    programs = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    return tile._replace(split_k=dense_split_k(programs, triton.cdiv(k, tile.block_k), num_sms))
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,13 +331,10 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     k = k2 * 2
     if a.stride(-1) != 1:
         raise ValueError("activation: expected a row-major tensor")
-    if config is None:
-        rows = m if routing is None else m / max(1, e)
-        config = default_config(rows, n, k, rac=r is not None)
-        if routing is None and a.is_cuda and not interpreting():
-            config = config._replace(split_k=dense_split_k(
-                triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),
-                triton.cdiv(k, config.block_k), _num_sms(a.device)))
+    if config is None and routing is None:
+        config = dense_config(m, n, k, _num_sms(a.device) if a.is_cuda and not interpreting() else 0)
+    elif config is None:
+        config = default_config(m / max(1, e), n, k, rac=r is not None)
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
     split = config.split_k

@@ -279,13 +279,10 @@ def test_split_k_dense_gemm_cpu(mode, dtype, block_k, split):
                                                  ("w4a4_rac", torch.bfloat16, 64, 5120, 2048),
                                                  ("w4a16", torch.bfloat16, 16, 2048, 4096)])
 def test_split_k_dense_gemm_gpu(mode, dtype, m, n, k_in):
-    """The default config at decode M (`dense_split_k` picks the split) against the reference."""
-    from sglang_ext.kernels.gemm import _num_sms, default_config, dense_split_k
+    """The default config at decode M (`dense_config` splits K) against the reference."""
+    from sglang_ext.kernels.gemm import _num_sms, dense_config
 
-    cfg = default_config(m, n, k_in, rac=mode == "w4a4_rac")
-    split = dense_split_k(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),
-                          triton.cdiv(k_in, cfg.block_k), _num_sms(torch.device("cuda")))
-    assert split > 1
+    assert dense_config(m, n, k_in, _num_sms(torch.device("cuda"))).split_k > 1
     _check_split_k("cuda", mode, dtype, m, n, k_in, 64 if mode == "w4a4_rac" else 0, None)
 
 
@@ -293,6 +290,7 @@ def test_dense_split_k_fills_the_machine():
     from sglang_ext.kernels.gemm import dense_split_k
 
     assert dense_split_k(32, 32, 132) == 8     # 256 programs, 4 K-steps each
+    assert dense_split_k(32, 64, 132) == 8     # at most 8 (16 measured slower: partial traffic)
     assert dense_split_k(80, 16, 132) == 4     # 320 programs
     assert dense_split_k(300, 64, 132) == 1    # already >= 2 x SMs
     assert dense_split_k(10, 8, 132) == 2      # K-steps bound it: >= 4 per split
