@@ -31,6 +31,10 @@ decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from
 the few routed rows of an expert become its N (>= 8), as OpenAI's triton_kernels does for MXFP4
 on Hopper. The default configs use it at decode sizes, where the H200 sweep measured it 1.6x
 faster than the plain tile (docs/benchmarks.md).
+
+`GemmConfig.split_k` (dense only, `dense_config`) splits K over programs when a dense projection
+at decode M has too few tiles to fill the GPU: each split stores its scaled fp32 partial (bias and
+the RAC residual in split 0) and `combine.topk_sum` adds them in a fixed order, rounding once.
 """
 
 from __future__ import annotations
