@@ -141,8 +141,8 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
     static per-tensor activation decode scale (the residual keeps a per-row scale);
     with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual);
-    block_m: rows per program (default: 1 row in one or two 1024-wide sweeps below 512 rows, where
-    a few 4-row programs would leave the GPU idle; else 4 rows, 256 wide).
+    block_m: rows per program (default: 1 row with 1024-wide tiles below 512 rows, where a few
+    4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles).
     Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
     `quads_megatron.rac.quantize_compensated`.
     """

@@ -131,7 +131,7 @@ def _w4a4_gemm_kernel(
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
     SPLIT_K > 1 (dense only): program axis 1 takes K_SPLIT of K and stores its fp32 partial
-    (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `split_sum`."""
+    (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`."""
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -270,13 +270,18 @@ def interpreting() -> bool:
     return type(_w4a4_gemm_kernel).__name__ == "InterpretedFunction"
 
 
+def _block_k(k: int) -> int:
+    """The K tile of the default configs: 128, or the whole (power-of-2 padded) K below it."""
+    return 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
+
+
 def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
     """Grouped (MoE) tile choice by rows per expert (decode: weight streaming; prefill:
     tensor-core bound); the dense GEMM takes `dense_config`.
-    rac: the launch runs the residual K-steps too; at prefill its tile then takes K 128 (fewer
-    main-loop trips around the extra residual traffic: +12% over W4A4 at 4096 tokens on the
-    H200, +27% with K 64). All are spill-free on sm_90 (ptxas); docs/benchmarks.md has the sweep."""
-    bk = 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
+    rac: the launch runs the residual K-steps too; at prefill its tile then takes K 128 (measured
+    on the H200: +12% over W4A4 at 4096 tokens, +27% with K 64). All are spill-free on sm_90
+    (ptxas); docs/benchmarks.md has the sweep."""
+    bk = _block_k(k)
     if rows_per_expert <= 16:
         return GemmConfig(16, 64, bk, 4, 4, 8, True)
     if rows_per_expert <= 64:
@@ -297,7 +302,7 @@ def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
 def dense_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """Tile and split-K of the dense GEMM (attention / shared projections) at m rows, from the
     H200 sweep of `tools/bench_w4a4_linear.py --sweep` (docs/benchmarks.md); num_sms 0: no split."""
-    bk = 128 if k % 128 == 0 or k > 128 else max(16, triton.next_power_of_2(k))
+    bk = _block_k(k)
     if m <= 16:
         tile = GemmConfig(16, 64, bk, 4, 4, 8, True)
     elif m <= 64:
