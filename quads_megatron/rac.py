@@ -9,7 +9,7 @@ residual `r = x[:, S] - xq[:, S]` is quantized again with its own per-row global
     y = xq Wq^T + rq Wq[:, S]^T
 
 which is one native W4A4 GEMM over K + k columns. All NVFP4 arithmetic is
-`quads_megatron.nvfp4`; the Triton kernels in `sglang_ext.kernels` are tested against this.
+`quads_megatron.nvfp4`; the Triton kernels in `quads_megatron.kernels` are tested against this.
 
 Channel selection: S = the k channels with the largest expected output error
 `E[(x - xq)_c^2] * ||Wq[:, c]||^2` on calibration activations (`ActivationStats` +

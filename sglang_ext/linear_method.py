@@ -8,7 +8,7 @@ RL weight reloads write straight into the same tensors):
   input_scale       float32 [shards]        static activation scale (used with activation_scaling=static)
   input_comp_index  int32 [shards * k]      RAC channels of each logical matrix (w4a4_rac only)
 Derived after loading (refilled in place on every reload): comp_weight fp16 [N, k], the RAC
-weight columns Wq[:, S] of each shard at its own channels (`sglang_ext.kernels.rac_columns`),
+weight columns Wq[:, S] of each shard at its own channels (`quads_megatron.kernels.rac_columns`),
 which the GEMM's residual K-steps read (w4a4_rac only).
 Merged layers whose shards share `weight_scale_2` and RAC channels (ModelOpt and QUADS
 exporters share them) run as one GEMM; otherwise each shard runs with its own scale, which
@@ -37,8 +37,8 @@ from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
-from sglang_ext.kernels import w4a4_linear
-from sglang_ext.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels import w4a4_linear
+from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.plan.rollout_schema import GROUP_SIZE

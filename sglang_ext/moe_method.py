@@ -13,7 +13,7 @@ Derived after loading (same tensors refilled on every reload, so CUDA graphs sta
   w13_global_scale [E], w13_comp_index [k], w13/w2_input_global_scale [],
   w13_comp_weight / w2_comp_weight     fp16 [E, 2F, k] / [E, H, k]: the RAC weight columns
                                        Wq[:, S] the GEMM's residual K-steps read
-                                       (`sglang_ext.kernels.rac_columns`), w4a4_rac only.
+                                       (`quads_megatron.kernels.rac_columns`), w4a4_rac only.
 Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`), named by its
 HF name (`model.layers.0.mlp.experts.3.up_proj.weight_scale`), and `process_weights_after_loading`
 names any expert slice the first load did not write; the forward skips the kernels' value checks.
@@ -35,8 +35,8 @@ from sglang.srt.utils.common import set_weight_attrs
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
 from sglang_ext import bf16_sync
-from sglang_ext.kernels import w4a4_fused_moe
-from sglang_ext.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels import w4a4_fused_moe
+from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.plan.rollout_schema import GROUP_SIZE

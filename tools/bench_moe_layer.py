@@ -7,12 +7,12 @@ captured in a CUDA graph, all in the same run:
             top-k weighted sum), the weights being our NVFP4 weights dequantized to BF16;
   fp8       the same layer on `torch._scaled_grouped_mm` (e4m3, row-wise scales: one per
             weight row per expert, one per activation row computed inside the layer);
-  w4a16 / w4a4 / w4a4_rac   `sglang_ext.kernels.w4a4_fused_moe` (RAC with k channels: one set
+  w4a16 / w4a4 / w4a4_rac   `quads_megatron.kernels.w4a4_fused_moe` (RAC with k channels: one set
             for fc1, one set per expert for fc2, and their weight columns built once, as SGLang's
             `process_weights_after_loading` stores them).
 The timed region is the layer from (hidden states, top-k weights, top-k ids) to its output
 (routing sort included, router excluded). Before timing, each of our modes is checked against
-the torch reference (`sglang_ext.kernels.reference`) at the kernel tests' tolerances (bf16
+the torch reference (`quads_megatron.kernels.reference`) at the kernel tests' tolerances (bf16
 inputs, the timed case, and fp32 inputs: the fp32-accumulation level), and the bf16 / fp8 layers
 against a plain per-expert loop on the same operands. A failed check is reported in the table
 and the JSON, and the exit status is 1.
@@ -42,7 +42,7 @@ import torch
 
 MODES = ("w4a16", "w4a4", "w4a4_rac")
 VARIANTS = ("bf16", "fp8") + MODES
-# tests/sglang_ext/kernels/test_w4a4_kernels.py::_check_moe: bf16 outputs, and fp32 outputs
+# tests/quads_megatron/kernels/test_w4a4_kernels.py::_check_moe: bf16 outputs, and fp32 outputs
 # (1.5 x FP32_TOL: the fp32-accumulation level)
 TOL = {torch.bfloat16: 8e-3, torch.float32: 3e-6}
 BASELINE_TOL = 8e-3  # bf16 / fp8 layers against the plain loop (a few bf16 roundings)
@@ -116,8 +116,8 @@ def comp_channels(k_in: int, k: int, groups: Optional[int], gen: torch.Generator
 
 
 def build_experts(args, gen: torch.Generator, dev) -> Experts:
-    from sglang_ext.kernels.rac_columns import rac_weight_columns
-    from sglang_ext.kernels.reference import dequantize_weight
+    from quads_megatron.kernels.rac_columns import rac_weight_columns
+    from quads_megatron.kernels.reference import dequantize_weight
 
     e, h, f, k = args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.rac_channels
     w13, w2 = random_nvfp4(e, 2 * f, h, gen, dev), random_nvfp4(e, h, f, gen, dev)
@@ -233,7 +233,7 @@ def bf16_fake_quant(v: torch.Tensor) -> torch.Tensor:
 def quads_layer(mode: str, backend: str = "triton", configs: Optional[tuple] = None) -> Callable:
     """(x, topk_weights, topk_ids, experts) -> w4a4_fused_moe in `mode` (no host syncs: check_inputs=False);
     configs: (fc1, fc2) GemmConfigs instead of the defaults (--sweep)."""
-    from sglang_ext.kernels import reference, w4a4_fused_moe
+    from quads_megatron.kernels import reference, w4a4_fused_moe
 
     op = w4a4_fused_moe if backend == "triton" else reference.w4a4_fused_moe
     rac = mode == "w4a4_rac"
@@ -271,7 +271,7 @@ def check_variants(x, tw, ti, w: Experts) -> tuple:
             ours = quads_layer(mode)(xd, tw, ti, w)
             ref = quads_layer(mode, backend="torch")(xd, tw, ti, w)
             if dtype == torch.float32 and mode != "w4a16":  # per token: rare E2M1 code flips of fc2's input
-                from sglang_ext.kernels.reference import w4a4_moe_agreement
+                from quads_megatron.kernels.reference import w4a4_moe_agreement
 
                 ok, stats = w4a4_moe_agreement(ours, ref, TOL[dtype])
                 agreement[mode] = stats
@@ -293,7 +293,7 @@ def time_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
         return sorted(ts)[len(ts) // 2]
-    from quads_megatron.study.timing import graph_replay_ms
+    from quads_megatron.apps.study.timing import graph_replay_ms
 
     return graph_replay_ms(fn, iters, reps)
 
@@ -318,7 +318,7 @@ def kernel_profile(fn: Callable, calls: int = 5) -> list:
 
 def sweep_configs(t: int, e: int, topk: int) -> list:
     """Candidate (fc1, fc2) GemmConfigs for the layer at t tokens (--sweep), the default first."""
-    from sglang_ext.kernels.gemm import GemmConfig as C
+    from quads_megatron.kernels.gemm import GemmConfig as C
 
     rows = t * topk / e
     if rows <= 32:
@@ -438,7 +438,7 @@ def main(argv=None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-    from sglang_ext.kernels.gemm import interpreting
+    from quads_megatron.kernels.gemm import interpreting
 
     if args.device == "cpu" and not interpreting():
         raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1 "

@@ -88,7 +88,7 @@ def main():
         raise SystemExit("--device cuda but CUDA is not available (use --device cpu --tiny)")
 
     from quads_megatron import nvfp4
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.megatron.fake_quant import ExpertsFakeQuant
     from quads_megatron.plan import QuantPlan, quantize_scale_groups
     from quads_megatron.recipe import QuadsRecipe

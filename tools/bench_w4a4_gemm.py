@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from sglang_ext.kernels import w4a4_fused_moe
-from sglang_ext.kernels.act_quant import quantize_activation_rac
-from sglang_ext.kernels.gemm import GemmConfig, default_config, launch_gemm
-from sglang_ext.kernels.rac_columns import rac_weight_columns
-from sglang_ext.kernels.routing import moe_align_block_size
+from quads_megatron.kernels import w4a4_fused_moe
+from quads_megatron.kernels.act_quant import quantize_activation_rac
+from quads_megatron.kernels.gemm import GemmConfig, default_config, launch_gemm
+from quads_megatron.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels.routing import moe_align_block_size
 
 SWEEP = {  # spill-free on sm_90 per ptxas (checked offline), plus more warps for decode
     "small": [GemmConfig(16, 64, 128, 4, 4), GemmConfig(16, 32, 256, 4, 4),
@@ -70,7 +70,7 @@ def timer(fn, iters: int, warmup: int = 3, reps: int = 10, graph: bool = True) -
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
         return sorted(ts)[len(ts) // 2]
-    from quads_megatron.study.timing import graph_replay_ms
+    from quads_megatron.apps.study.timing import graph_replay_ms
 
     return graph_replay_ms(fn, iters, reps, warmup=0)  # warmed up above
 

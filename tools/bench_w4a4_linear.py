@@ -24,7 +24,7 @@ COPIES = 16
 
 def sweep_configs(m: int) -> list:
     """Candidate dense GemmConfigs at m rows (--sweep), None (the default) first."""
-    from sglang_ext.kernels.gemm import GemmConfig as C
+    from quads_megatron.kernels.gemm import GemmConfig as C
 
     if m <= 16:
         tiles = [C(16, 64, 128, 4, 4, 8, True), C(16, 128, 128, 8, 3, 8, True)]
@@ -47,11 +47,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_w4a4_linear times CUDA graphs: it needs a GPU")
     from quads_megatron.nvfp4 import quantize
-    from quads_megatron.study.timing import graph_replay_ms
-    from sglang_ext.kernels import w4a4_linear
-    from sglang_ext.kernels.act_quant import quantize_activation_rac
-    from sglang_ext.kernels.gemm import launch_gemm
-    from sglang_ext.kernels.rac_columns import rac_weight_columns
+    from quads_megatron.apps.study.timing import graph_replay_ms
+    from quads_megatron.kernels import w4a4_linear
+    from quads_megatron.kernels.act_quant import quantize_activation_rac
+    from quads_megatron.kernels.gemm import launch_gemm
+    from quads_megatron.kernels.rac_columns import rac_weight_columns
 
     dev = torch.device("cuda")
     rows = []

@@ -25,11 +25,11 @@ for s in "$@"; do
     check)
       stage check
       $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py tests/megatron tests/convert/test_gpu_export.py \
-          tests/nvfp4 tests/sglang_ext/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+          tests/nvfp4 tests/quads_megatron/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
     pretrain)
       stage pretrain
       if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
-      $PY -m quads_megatron.megatron.pretrain --preset moe-240m --train-iters "$PRETRAIN_ITERS" --micro-batch-size 64 \
+      $PY -m quads_megatron.apps.pretrain --preset moe-240m --train-iters "$PRETRAIN_ITERS" --micro-batch-size 64 \
           --seq-length 256 --save "$CKPT" --force --no-tqdm 2>&1 | grep -v -i warn | tee "$OUT/pretrain.log" | tail -3 ;;
     ablations)
       stage activation_error

@@ -6,7 +6,7 @@ moves an element across an E2M1 rounding boundary about once in 10^6 elements. O
 flip changes one token's output by ~1% (one quantization step of one of its 8 routed rows), so
 the layer's relative error (Frobenius) is ~1e-2 / sqrt(tokens) per flip, while every other token
 agrees at the fp32 level (~1e-7). This script measures that between the torch reference
-(`sglang_ext.kernels.reference.w4a4_fused_moe`) and the same math with fc1 summed in K chunks
+(`quads_megatron.kernels.reference.w4a4_fused_moe`) and the same math with fc1 summed in K chunks
 of 128 (the kernel's order); with --kernel also the Triton op against the reference. The same
 signature (a few tokens at ~1e-2, the rest at ~1e-7) means code flips, not a wrong kernel.
 
@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from quads_megatron.rac import compensated_activation
-from sglang_ext.kernels import reference
+from quads_megatron.kernels import reference
 
 
 def random_packed(e: int, n: int, k: int, dev: str, gen: torch.Generator) -> tuple:
@@ -79,7 +79,7 @@ def main() -> None:
         print(f"tokens {t} (experts {e}, fp32 inputs, w4a4)")
         report("fc1 in K chunks of 128", moe_fc1_in_chunks(x, w13, w2, tw, ti, 128), ref)
         if args.kernel:
-            from sglang_ext.kernels import w4a4_fused_moe
+            from quads_megatron.kernels import w4a4_fused_moe
 
             report("Triton w4a4_fused_moe", w4a4_fused_moe(x, *w13, *w2, tw, ti, act_mode="w4a4",
                                                             backend="triton"), ref)

@@ -21,8 +21,8 @@ LABEL = {"bf16": "BF16", "w4a16": "W4A16", "w16a4": "W16A4", "w4a4": "W4A4", "w4
 
 def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
-    from quads_megatron.study import cli, plots
-    from quads_megatron.study.mismatch import (build_setup, layer_output_errors, make_engine, release, rollout_gap,
+    from quads_megatron.apps.study import cli, plots
+    from quads_megatron.apps.study.mismatch import (build_setup, layer_output_errors, make_engine, release, rollout_gap,
                                                rollout_recipe)
 
     p = cli.common_parser(__doc__.splitlines()[0], "activation_error")

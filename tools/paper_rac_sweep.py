@@ -17,10 +17,10 @@ from quads_megatron.errors import ConfigError, run_cli
 
 def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
-    from quads_megatron.study import cli, plots
-    from quads_megatron.study.mismatch import build_setup, make_engine, release, rollout_gap
-    from quads_megatron.study.rac_sweep import randomize_channels
-    from quads_megatron.study.timing import time_experts
+    from quads_megatron.apps.study import cli, plots
+    from quads_megatron.apps.study.mismatch import build_setup, make_engine, release, rollout_gap
+    from quads_megatron.apps.study.rac_sweep import randomize_channels
+    from quads_megatron.apps.study.timing import time_experts
 
     p = cli.common_parser(__doc__.splitlines()[0], "rac_sweep")
     p.add_argument("--ks", default="0,16,32,64,128,256")

@@ -19,7 +19,7 @@ CONFIGS = {"BF16 rollout": ("bf16", "bf16"), "naive W4A4 (BF16 trainer)": ("bf16
 
 def main(argv=None) -> dict:
     from quads_megatron.rl.loop import main as grpo_main
-    from quads_megatron.study import cli, plots
+    from quads_megatron.apps.study import cli, plots
 
     p = cli.common_parser(__doc__.splitlines()[0], "rl_stability")
     p.add_argument("--seeds", default="1", help="comma-separated seeds; each configuration runs once per seed")

@@ -23,9 +23,9 @@ PRECISIONS = ["bf16", "w4a16", "w4a4", "w4a4_rac"]
 
 def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
-    from quads_megatron.study import cli, plots
-    from quads_megatron.study.mismatch import build_setup, make_engine, release, rollout_recipe
-    from quads_megatron.study.timing import time_experts
+    from quads_megatron.apps.study import cli, plots
+    from quads_megatron.apps.study.mismatch import build_setup, make_engine, release, rollout_recipe
+    from quads_megatron.apps.study.timing import time_experts
 
     p = cli.common_parser(__doc__.splitlines()[0], "throughput")
     p.add_argument("--precisions", default=",".join(PRECISIONS))

@@ -3,7 +3,7 @@
     python tools/pretrain_moe.py --preset moe-240m --train-iters 600 --save runs/moe-240m-hf
 """
 
-from quads_megatron.megatron.pretrain import console_main
+from quads_megatron.apps.pretrain import console_main
 
 if __name__ == "__main__":
     console_main()

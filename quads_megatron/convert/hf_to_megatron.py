@@ -9,10 +9,11 @@ import argparse
 
 import torch
 
-from quads_megatron.convert import cli, qwen3_moe
+from quads_megatron.convert import cli
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 from quads_megatron.convert.megatron_params import padded_vocab_size
-from quads_megatron.convert.output_dir import check_output_path
+from quads_megatron.output_dir import check_output_path
 
 
 def parse_args(argv=None):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from quads_megatron.convert import qwen3_moe
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.megatron_params import global_param_refs, parallel_info, unwrap
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from quads_megatron.convert import qwen3_moe
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.megatron_params import padded_vocab_size
-from quads_megatron.convert.output_dir import check_output_path, commit_temp_dir, make_temp_dir, remove_temp_dir
+from quads_megatron.output_dir import check_output_path, commit_temp_dir, make_temp_dir, remove_temp_dir
 from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.integrity import verify_manifest, write_manifest
 from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, resolve_checkpoint_dir

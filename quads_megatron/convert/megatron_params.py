@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from quads_megatron.convert import qwen3_moe
+from quads_megatron.models import qwen3_moe
 from quads_megatron.errors import CheckpointError
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -76,7 +76,7 @@ def global_param_refs(model) -> list:
         found = qwen3_moe.match_megatron(name)
         if found is None:
             raise CheckpointError(f"Megatron parameter {local_name} (global name {name}) has no "
-                                  "Qwen3-MoE Hugging Face counterpart in quads_megatron.convert.qwen3_moe")
+                                  "Qwen3-MoE Hugging Face counterpart in quads_megatron.models.qwen3_moe")
         rule, layer, expert = found
         refs.append(ParamRef(local_name, param, rule, layer, expert))
     return refs

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from quads_megatron.convert import cli, qwen3_moe
+from quads_megatron.convert import cli
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite,
                                                   format_listing, read_json, write_json)
-from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.output_dir import atomic_output_dir, check_output_path
 from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.megatron.checkpoint import RECIPE_KEY   # the trainer's common-state key
 

@@ -20,14 +20,15 @@ import torch
 from tqdm import tqdm
 
 from quads_megatron import nvfp4, vocab
-from quads_megatron.convert import cli, qwen3_moe
+from quads_megatron.convert import cli
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
 from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite, format_listing,
                                                   write_json)
 from quads_megatron.device import resolve_device
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
-from quads_megatron.convert.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.output_dir import atomic_output_dir, check_output_path
 from quads_megatron.plan import QuantPlan, quantize_scale_groups
 from quads_megatron.plan.named_params import modelopt_names
 from quads_megatron.vocab import ActivationScaling, Precision, Scope

@@ -141,7 +141,7 @@ def plan_for_model(model, recipe: QuadsRecipe = None) -> QuantPlan:
     """The QuantPlan of ``recipe`` for this GPTModel and the initialized parallel layout."""
     from megatron.core import parallel_state as ps
 
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
 
     gpt = unwrap_model(model)
     dims = qwen3_moe.dims_from_megatron_config(gpt.config, gpt.vocab_size,

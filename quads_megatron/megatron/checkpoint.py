@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from quads_megatron.convert.output_dir import commit_temp_dir
+from quads_megatron.output_dir import commit_temp_dir
 from quads_megatron.errors import CheckpointError
 from quads_megatron.integrity import read_manifest, verify_manifest, write_manifest
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model

@@ -11,7 +11,7 @@
 before triton builds our kernels (before `quads_megatron.nvfp4.triton_kernels` is imported;
 tests/conftest.py does it), otherwise a clear error is raised. Every public compute entry
 point (`quads_megatron.nvfp4.quantize` / `dequantize` / `fake_quantize` / `amax_of`,
-`sglang_ext.kernels.w4a4_linear` / `w4a4_fused_moe`) takes `backend=None` and calls this
+`quads_megatron.kernels.w4a4_linear` / `w4a4_fused_moe`) takes `backend=None` and calls this
 once. Imports torch only (triton lazily).
 """
 

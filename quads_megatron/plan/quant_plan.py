@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from quads_megatron.convert import qwen3_moe
+from quads_megatron.models import qwen3_moe
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from quads_megatron.recipe import QuadsRecipe
 from quads_megatron.vocab import ActivationScaling, Precision, Scope

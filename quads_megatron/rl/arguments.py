@@ -249,7 +249,7 @@ def check_paths(args) -> None:
 
 def model_dims(args):
     """The model's ``qwen3_moe.Dims`` (from --hf-checkpoint's config.json, else the preset and the shape flags)."""
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.megatron.presets import PRESETS
 
     if args.hf_checkpoint:

@@ -399,7 +399,7 @@ class GRPOTrainer:
     def _write_hf_dir(self, save: Path):
         import shutil
 
-        from quads_megatron.convert.output_dir import commit_temp_dir
+        from quads_megatron.output_dir import commit_temp_dir
 
         tmp = save / "hf.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

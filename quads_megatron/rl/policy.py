@@ -31,7 +31,7 @@ class MegatronPolicy:
         self.hf_ckpt = None
         tie = False
         if args.hf_checkpoint:
-            from quads_megatron.convert import qwen3_moe
+            from quads_megatron.models import qwen3_moe
             from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 
             self.hf_ckpt = HFCheckpoint(args.hf_checkpoint)

@@ -29,7 +29,7 @@ def main():
     from quads_megatron.convert.hf_checkpoint import HFCheckpoint
     from quads_megatron.convert.live import iter_hf_weights
     from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.plan import QuantPlan, quantize_named_params
     from quads_megatron.recipe import QuadsRecipe
     from plan_bytes import RECIPES, plan_mismatches

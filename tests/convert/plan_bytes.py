@@ -81,7 +81,7 @@ def _engine_tensors(hf_dir, plan, stream):
 def plan_mismatches(model, recipe, hf_dir, work_dir, vocab_size) -> list:
     """Names where trainer / export / sync / local engine disagree for ``recipe`` (collective)."""
     from quads_megatron import nvfp4
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.convert.live import iter_hf_weights
     from quads_megatron.convert.megatron_params import global_param_refs, parallel_info
     from quads_megatron.megatron.aqat import apply_quads, fake_quantized_state, plan_for_model

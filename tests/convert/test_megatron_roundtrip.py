@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from convert_fixtures import assert_same_checkpoint
-from quads_megatron.convert import hf_to_megatron, megatron_to_hf, qwen3_moe
+from quads_megatron.convert import hf_to_megatron, megatron_to_hf
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 from quads_megatron.plan import QuantPlan, quantize_named_params
 from quads_megatron.recipe import QuadsRecipe

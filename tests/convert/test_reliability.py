@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quads_megatron.convert import cli, qwen3_moe, rollout_export
+from quads_megatron.convert import cli, rollout_export
+from quads_megatron.models import qwen3_moe
 from quads_megatron.errors import CheckpointError, Interrupted, signals_as_interrupt
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint, ShardedSafetensorsWriter
-from quads_megatron.convert.output_dir import atomic_output_dir
+from quads_megatron.output_dir import atomic_output_dir
 
 EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
 

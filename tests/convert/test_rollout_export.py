@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as Fn
 
 from quads_megatron import nvfp4
-from quads_megatron.convert import qwen3_moe, rollout_export
+from quads_megatron.convert import rollout_export
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 from quads_megatron.nvfp4 import NVFP4Tensor
 

@@ -54,7 +54,7 @@ def test_cpu_support_patches_and_maps_cuda_to_cpu():
 
 def test_hf_config_keeps_the_router_normalisation():
     """norm_topk_prob=False maps to pre_softmax routing and back (it was hard-coded True)."""
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_config
 
     for norm in (True, False):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from quads_megatron.convert import qwen3_moe
+from quads_megatron.models import qwen3_moe
 from quads_megatron.plan import EXPERT_TENSOR_PARALLEL, TENSOR_PARALLEL, QuantPlan
 from quads_megatron.recipe import QuadsRecipe
 from quads_megatron.vocab import Precision

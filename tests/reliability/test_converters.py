@@ -445,7 +445,7 @@ def test_non_finite_hf_tensor_is_refused_by_name(tool, name, value, ff, tmp_path
 
 @pytest.mark.parametrize("hf_name", ["model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight"])
 def test_non_finite_megatron_weight_is_refused_by_its_hf_name(hf_name, tmp_path, hf, mg, capsys):
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.convert.megatron_checkpoint import (build_model_from_hf_config, load_megatron_checkpoint,
                                                             save_megatron_checkpoint)
     from quads_megatron.convert.megatron_params import global_param_refs

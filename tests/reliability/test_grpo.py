@@ -113,7 +113,7 @@ def test_bad_flag_is_one_line_exit_2_before_any_model(case, tmp_path, capsys):
 
 def test_rac_channels_refused_by_training_and_export_with_the_plans_message(tmp_path):
     """The GRPO flags and the rollout exporter resolve the same QuantPlan, so they refuse with the same words."""
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
     from quads_megatron.plan import QuantPlan
     from quads_megatron.recipe import QuadsRecipe
 

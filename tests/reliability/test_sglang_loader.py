@@ -28,7 +28,7 @@ from sglang_fixtures import (TINY_HF, comp_index, init_sglang_runtime, input_sca
 from quads_megatron.errors import CheckpointError, ConfigError  # noqa: E402
 from quads_megatron.integrity import write_manifest  # noqa: E402
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig  # noqa: E402
-from sglang_ext.kernels import reference  # noqa: E402
+from quads_megatron.kernels import reference  # noqa: E402
 
 E, H, F, TOPK, K = 4, 64, 32, 2, 16
 MOE = "model.layers.0.mlp.experts"

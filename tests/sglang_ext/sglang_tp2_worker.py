@@ -78,7 +78,7 @@ def config(mode: str, scaling: str = "static"):
 def check_qkv(rank: int, x: torch.Tensor) -> None:
     """Column parallel: this rank holds rows [rank*n/2, (rank+1)*n/2) of q, k and v."""
     from sglang.srt.layers.linear import QKVParallelLinear
-    from sglang_ext.kernels import reference
+    from quads_megatron.kernels import reference
 
     cfg = config("w4a4_rac")
     layer = QKVParallelLinear(64, 16, 4, 2, bias=False, params_dtype=torch.bfloat16,
@@ -104,7 +104,7 @@ def check_qkv(rank: int, x: torch.Tensor) -> None:
 def check_row(rank: int, x: torch.Tensor) -> None:
     """Row parallel: this rank holds input columns [rank*K/2, ...); the output is all-reduced."""
     from sglang.srt.layers.linear import RowParallelLinear
-    from sglang_ext.kernels import reference
+    from quads_megatron.kernels import reference
 
     try:
         RowParallelLinear(64, 32, bias=False, params_dtype=torch.bfloat16,
@@ -133,7 +133,7 @@ def check_moe(rank: int, x: torch.Tensor) -> None:
     """Expert TP: gate/up rows and down columns of every expert are split across the ranks."""
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.moe.topk import StandardTopKOutput
-    from sglang_ext.kernels import reference
+    from quads_megatron.kernels import reference
 
     e, h, f = 4, 64, 64
     try:
@@ -188,7 +188,7 @@ def check_ep(rank: int, x: torch.Tensor) -> None:
     """Expert parallelism with RAC: this rank computes its 2 experts' share of every token."""
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.moe.topk import StandardTopKOutput
-    from sglang_ext.kernels import reference
+    from quads_megatron.kernels import reference
 
     e, h, f = 4, 64, 32
     layer = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ext.kernels import reference
+from quads_megatron.kernels import reference
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
 

@@ -15,8 +15,8 @@ from sglang_fixtures import comp_index, input_scale, nvfp4_linear
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
-from sglang_ext.kernels import reference
-from sglang_ext.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels import reference
+from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 K = 64
 MODES = [("w4a4", "per_token"), ("w4a4_rac", "per_token"), ("w4a4", "static"), ("w4a16", "per_token")]

@@ -11,8 +11,8 @@ import torch
 
 from sglang_fixtures import moe_checkpoint
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
-from sglang_ext.kernels import reference
-from sglang_ext.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels import reference
+from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
 

@@ -1,4 +1,4 @@
-"""The local engine's NVFP4 layers: HF Qwen3-MoE experts / attention linears on ``sglang_ext.kernels``.
+"""The local engine's NVFP4 layers: HF Qwen3-MoE experts / attention linears on ``quads_megatron.kernels``.
 
 Which layers are NVFP4 and at which precision comes from the ``QuantPlan`` (the trainer's and
 the exporter's plan); the weights arrive already quantized by ``quantize_named_params`` (the
@@ -23,7 +23,7 @@ _ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 def _dequantize(weight, scale, scale_2) -> torch.Tensor:
     """fp32 [..., N, K] of ModelOpt NVFP4 buffers (one global scale per leading index)."""
-    from sglang_ext.kernels.reference import dequantize_weight
+    from quads_megatron.kernels.reference import dequantize_weight
 
     return dequantize_weight(weight, scale, scale_2)
 
@@ -45,7 +45,7 @@ class _ErrorMeter:
 
 
 def _kernels():
-    from sglang_ext import kernels
+    from quads_megatron import kernels
 
     return kernels
 
@@ -197,7 +197,7 @@ class NVFP4Experts(_QuantExperts):
         True when a column tensor had to be (re)bound."""
         if not (self.precision.uses_rac and self.w13_comp_index is not None):
             return False
-        from sglang_ext.kernels.rac_columns import rac_weight_columns
+        from quads_megatron.kernels.rac_columns import rac_weight_columns
 
         a = _store(self, "w13_comp_weight", rac_weight_columns(self.w13, self.w13_scale, self.w13_comp_index))
         return _store(self, "w2_comp_weight", rac_weight_columns(self.w2, self.w2_scale, self.w2_comp_index)) or a
@@ -256,7 +256,7 @@ class NVFP4Linear(nn.Module):
         """As `NVFP4Experts.refresh_rac_columns`: Wq[:, S] stored in place after a load or calibration."""
         if not (self.precision.uses_rac and self.comp_index is not None):
             return False
-        from sglang_ext.kernels.rac_columns import rac_weight_columns
+        from quads_megatron.kernels.rac_columns import rac_weight_columns
 
         return _store(self, "comp_weight", rac_weight_columns(self.weight, self.weight_scale, self.comp_index))
 

@@ -38,7 +38,7 @@ def _source_weights(seed: int = 0):
 
 
 def _engine(precision, seed: int = 0):
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
 
     cfg = _config()
     dims = qwen3_moe.dims_from_hf_config(cfg.to_dict())

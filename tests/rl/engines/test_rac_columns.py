@@ -10,9 +10,9 @@ import torch
 from quads_megatron import nvfp4
 from quads_megatron.rl.engines.precision import NVFP4Experts, NVFP4Linear
 from quads_megatron.vocab import Precision
-from sglang_ext.kernels import reference
-from sglang_ext.kernels.gemm import interpreting
-from sglang_ext.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels import reference
+from quads_megatron.kernels.gemm import interpreting
+from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not interpreting(),
                                 reason="CPU kernel tests need TRITON_INTERPRET=1 and no GPU")

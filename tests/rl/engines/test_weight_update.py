@@ -11,7 +11,7 @@ from test_decode import _config, _source_weights  # noqa: E402 (this directory i
 
 
 def _engine():
-    from quads_megatron.convert import qwen3_moe
+    from quads_megatron.models import qwen3_moe
 
     cfg = _config()
     plan = QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision="w4a16"),

@@ -90,7 +90,7 @@ def check_comp_weight(comp_weight: Optional[torch.Tensor], comp: Optional[torch.
     if not isinstance(comp_weight, torch.Tensor) or comp_weight.dtype != torch.float16 or \
             tuple(comp_weight.shape) != want or comp_weight.stride(-1) != 1:
         raise ValueError(f"{name}: expected the RAC weight columns as fp16 {want} (row-major; "
-                         f"sglang_ext.kernels.rac_columns.rac_weight_columns(weight, weight_scale, "
+                         f"quads_megatron.kernels.rac_columns.rac_weight_columns(weight, weight_scale, "
                          f"comp_index)), got {getattr(comp_weight, 'dtype', type(comp_weight))} "
                          f"{tuple(getattr(comp_weight, 'shape', ()))}")
 

@@ -13,11 +13,11 @@ from quads_megatron.nvfp4 import dequantize, quantize
 from quads_megatron.nvfp4.core import dequantize_reference
 from quads_megatron.nvfp4.triton_kernels import e2m1_decode, e4m3_decode
 from quads_megatron.rac import quantize_compensated
-from sglang_ext.kernels import reference, w4a4_fused_moe, w4a4_linear
-from sglang_ext.kernels.act_quant import quantize_activation_rac
-from sglang_ext.kernels.gemm import decode_words_f16, interpreting
-from sglang_ext.kernels.rac_columns import rac_weight_columns
-from sglang_ext.kernels.routing import moe_align_block_size
+from quads_megatron.kernels import reference, w4a4_fused_moe, w4a4_linear
+from quads_megatron.kernels.act_quant import quantize_activation_rac
+from quads_megatron.kernels.gemm import decode_words_f16, interpreting
+from quads_megatron.kernels.rac_columns import rac_weight_columns
+from quads_megatron.kernels.routing import moe_align_block_size
 
 CUDA = torch.cuda.is_available()
 cpu_kernels = pytest.mark.skipif(CUDA or not interpreting(),
@@ -190,7 +190,7 @@ def test_linear_matches_reference_gpu(mode, dtype, m):
 
 def _check_exact_rac_gemm(device, m, n, k_in, k):
     """RAC as k extra fp16 K-steps over the stored weight columns equals the reference at fp32 level."""
-    from sglang_ext.kernels.gemm import launch_gemm
+    from quads_megatron.kernels.gemm import launch_gemm
 
     gen = torch.Generator().manual_seed(m + k)
     x = activations(m, k_in, torch.float32, device, gen)
@@ -238,7 +238,7 @@ def test_rac_weight_columns_are_the_dequantized_columns():
 def _check_split_k(device, mode, dtype, m, n, k_in, k, config):
     """A dense GEMM with K split over programs (fp32 partials, bias and the RAC residual in split 0,
     summed once) equals the reference at the fp32-accumulation level."""
-    from sglang_ext.kernels.gemm import launch_gemm
+    from quads_megatron.kernels.gemm import launch_gemm
 
     gen = torch.Generator().manual_seed(m + n + k)
     x = activations(m, k_in, dtype, device, gen)
@@ -268,7 +268,7 @@ def _check_split_k(device, mode, dtype, m, n, k_in, k, config):
     ("w4a16", torch.float32, 16, 4),
 ])
 def test_split_k_dense_gemm_cpu(mode, dtype, block_k, split):
-    from sglang_ext.kernels.gemm import GemmConfig
+    from quads_megatron.kernels.gemm import GemmConfig
 
     _check_split_k("cpu", mode, dtype, 5, 40, 272, 32 if mode == "w4a4_rac" else 0,
                    GemmConfig(16, 16, block_k, 4, 2, split_k=split))
@@ -280,14 +280,14 @@ def test_split_k_dense_gemm_cpu(mode, dtype, block_k, split):
                                                  ("w4a16", torch.bfloat16, 16, 2048, 4096)])
 def test_split_k_dense_gemm_gpu(mode, dtype, m, n, k_in):
     """The default config at decode M (`dense_config` splits K) against the reference."""
-    from sglang_ext.kernels.gemm import _num_sms, dense_config
+    from quads_megatron.kernels.gemm import _num_sms, dense_config
 
     assert dense_config(m, n, k_in, _num_sms(torch.device("cuda"))).split_k > 1
     _check_split_k("cuda", mode, dtype, m, n, k_in, 64 if mode == "w4a4_rac" else 0, None)
 
 
 def test_dense_split_k_fills_the_machine():
-    from sglang_ext.kernels.gemm import dense_split_k
+    from quads_megatron.kernels.gemm import dense_split_k
 
     assert dense_split_k(32, 32, 132) == 8     # 256 programs, 4 K-steps each
     assert dense_split_k(32, 64, 132) == 8     # at most 8 (16 measured slower: partial traffic)
@@ -305,7 +305,7 @@ def test_exact_rac_gemm_gpu(m):
 def _check_swap_ab(device, mode, dtype, t, n, k_in, e, topk, k, config):
     """The swapped-operand form (C^T = W A^T, config.swap_ab) of the grouped GEMM equals the reference
     (routed rows, an expert with no rows, RAC with stored columns, partial tiles)."""
-    from sglang_ext.kernels.gemm import launch_gemm
+    from quads_megatron.kernels.gemm import launch_gemm
 
     gen = torch.Generator().manual_seed(t + n)
     x = activations(t, k_in, dtype, device, gen)
@@ -341,7 +341,7 @@ def _check_swap_ab(device, mode, dtype, t, n, k_in, e, topk, k, config):
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.float32),
                                         ("w4a4", torch.bfloat16)])
 def test_swap_ab_grouped_gemm_cpu(mode, dtype):
-    from sglang_ext.kernels.gemm import GemmConfig
+    from quads_megatron.kernels.gemm import GemmConfig
 
     _check_swap_ab("cpu", mode, dtype, 5, 64, 80, 3, 2, 32, GemmConfig(16, 64, 64, 4, 1, 8, True))
 
@@ -352,7 +352,7 @@ def test_swap_ab_grouped_gemm_cpu(mode, dtype):
 @pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 8, 3, 8, True),
                                  (32, 64, 128, 4, 4, 8, True)])
 def test_swap_ab_grouped_gemm_gpu(mode, dtype, cfg):
-    from sglang_ext.kernels.gemm import GemmConfig
+    from quads_megatron.kernels.gemm import GemmConfig
 
     _check_swap_ab("cuda", mode, dtype, 16, 1536, 2048, 128, 8, 64, GemmConfig(*cfg))
 
@@ -470,7 +470,7 @@ def test_fused_moe_full_size_random_routing_gpu(mode, dtype, t):
 
 # ---- dispatch ---------------------------------------------------------------------------
 def _count_launches(monkeypatch):
-    from sglang_ext.kernels import ops
+    from quads_megatron.kernels import ops
 
     calls = []
     real = ops.launch_gemm
@@ -557,7 +557,7 @@ def _check_routing(dev, tokens, topk, experts, block_m):
 def test_topk_sum_matches_a_float64_sum(dev, dtype):
     """out[t] = sum over t's top-k rows, summed in fp32 and rounded once: within one rounding of the exact
     (float64) sum (half an ulp of the output dtype, plus fp32 summation error)."""
-    from sglang_ext.kernels.combine import topk_sum
+    from quads_megatron.kernels.combine import topk_sum
 
     gen = torch.Generator().manual_seed(1)
     rows = (torch.randn(5 * 3, 40, generator=gen) * 4).to(dtype)
@@ -576,7 +576,7 @@ def test_topk_sum_matches_a_float64_sum(dev, dtype):
 def test_silu_and_mul_matches_a_float64_definition(dev, dtype, m, f):
     """h = SiLU(gate) * up over [gate | up] rows: within half an ulp of the output dtype of the exact
     (float64) value of the same inputs, plus fp32 evaluation error."""
-    from sglang_ext.kernels.silu_mul import silu_and_mul
+    from quads_megatron.kernels.silu_mul import silu_and_mul
 
     gen = torch.Generator().manual_seed(2)
     gu = (torch.randn(m, 2 * f, generator=gen) * 3).to(dtype)

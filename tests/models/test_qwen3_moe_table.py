@@ -2,7 +2,7 @@
 
 import torch
 
-from quads_megatron.convert import qwen3_moe
+from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.hf_checkpoint import HFCheckpoint
 
 

@@ -109,7 +109,7 @@ def pretrain(args) -> dict:
     """Train, evaluate on held-out text, save; return {'train_loss', 'val_loss', 'tokens', 'seconds', 'params'}."""
     from quads_megatron.convert.live import iter_hf_weights
     from quads_megatron.convert.megatron_to_hf import write_hf_checkpoint
-    from quads_megatron.convert.output_dir import check_output_path
+    from quads_megatron.output_dir import check_output_path
     from quads_megatron.megatron import build_gpt_model, initialize_distributed, qwen3_moe_config, sync_grads
     from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_model_args
     from quads_megatron.rl.tokenizer import build_char_tokenizer

@@ -1,0 +1,1 @@
+"""Applications on top of the library: pretraining a preset (``pretrain``) and the paper's studies (``study``)."""
