@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quads_megatron.errors import ConfigError, InputError
-from quads_megatron.megatron import pretrain
+from quads_megatron.apps import pretrain
 
 
 def _corpus(tmp_path):
