@@ -42,7 +42,7 @@ import torch
 
 MODES = ("w4a16", "w4a4", "w4a4_rac")
 VARIANTS = ("bf16", "fp8") + MODES
-# tests/quads_megatron/kernels/test_w4a4_kernels.py::_check_moe: bf16 outputs, and fp32 outputs
+# tests/kernels/test_w4a4_kernels.py::_check_moe: bf16 outputs, and fp32 outputs
 # (1.5 x FP32_TOL: the fp32-accumulation level)
 TOL = {torch.bfloat16: 8e-3, torch.float32: 3e-6}
 BASELINE_TOL = 8e-3  # bf16 / fp8 layers against the plain loop (a few bf16 roundings)

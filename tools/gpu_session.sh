@@ -25,7 +25,7 @@ for s in "$@"; do
     check)
       stage check
       $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py tests/megatron tests/convert/test_gpu_export.py \
-          tests/nvfp4 tests/quads_megatron/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+          tests/nvfp4 tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
     pretrain)
       stage pretrain
       if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
