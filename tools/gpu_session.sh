@@ -2,6 +2,7 @@
 # The GPU runs behind docs/results.md and docs/benchmarks.md, in stages, on a machine with one CUDA GPU.
 #   bash tools/gpu_session.sh check pretrain ablations   # GPU tests; pretrain moe-240m; the paper tools
 #   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
+#   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
 # Needs megatron-core (and transformers >= 5.19) importable; OUT (default runs/gpu) receives logs, JSON, PNG.
 # Sizes are env-overridable for a quick probe: PRETRAIN_ITERS, RL_ITERS, NUM_PROMPTS.
 set -uo pipefail
@@ -47,7 +48,14 @@ for s in "$@"; do
       $PY tools/paper_rl_stability.py --hf-checkpoint "$CKPT" --seq-length 48 --max-new-tokens 16 \
           --out-json "$OUT/rl_stability.json" --out-png "$OUT/rl_stability.png" -- --train-iters "$RL_ITERS" \
           "${RL_FLAGS[@]}" 2>&1 | grep -E "summary|wrote|Error|error" | tail -8 ;;
-    *) echo "unknown stage $s (check, pretrain, ablations, rl)"; exit 2 ;;
+    sglang)
+      # SGLang's server with --quantization quads: the wheel set of tools/sglang_wheelhouse.sh (.whl-sglang),
+      # plus .whl (megatron-core, transformers) when present; SGLANG_ARGS picks stages / sizes.
+      stage sglang
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sglang-site \
+          .whl-sglang/*.whl $(ls .whl/*.whl 2>/dev/null) || exit 1
+      PYTHONPATH=".:/tmp/sglang-site" $PY tools/sglang_h200.py --out-json "$OUT/sglang.json" ${SGLANG_ARGS:-} ;;
+    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, sglang)"; exit 2 ;;
   esac
 done
 stage done

@@ -1,0 +1,300 @@
+"""SGLang's server with `--quantization quads` on one GPU: serving agreement, weight updates, decode throughput.
+
+A random Qwen3-MoE at Qwen3-30B-A3B layer dimensions (``--num-layers`` of them, vocab 32768) is saved as
+an HF checkpoint and exported by ``quads-export-rollout`` for each QUADS precision; then, per stage:
+
+  agree       each QUADS checkpoint is served (CUDA graphs on); greedy tokens and log-probs of N prompts are
+              compared with the local engine's on the same weights, calibration prompts and plan
+  update      a running w4a4 server takes new weights through the GRPO job's sync (``tensor``, CUDA tensors
+              by IPC handle) and back through ``disk``; each time its outputs are compared with a server
+              started fresh on those weights (no re-capture: the server's CUDA graphs replay)
+  throughput  decode tokens/s and time per output token at batch 1, 8, 64, 256 (fixed input and output
+              lengths, ignore_eos) for SGLang BF16, SGLang FP8 (--quantization fp8) and the QUADS precisions
+
+Needs SGLang importable (``tools/sglang_wheelhouse.sh`` builds the wheel set; ``tools/gpu_session.sh
+sglang`` installs it and runs this). Writes one JSON (``--out-json``) and prints a table per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# What SGLang 0.5.23 needs on the H200 image (docs/sglang-hopper.md says why each is there).
+SERVER_ENV = {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1", "SGLANG_IS_FLASHINFER_AVAILABLE": "false",
+              "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+SERVER_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                "--skip-tokenizer-init", "--mem-fraction-static", "0.7", "--disable-radix-cache"]
+QUADS_PRECISIONS = ("w4a4_rac", "w4a4", "w4a16")
+VOCAB = 32768
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_checkpoint(path: Path, num_layers: int, seed: int, scale: float = 1.0) -> dict:
+    """Save a random BF16 Qwen3-MoE (30B-A3B layer dims) at ``path``; return its config dict."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_config
+
+    cfg = hf_qwen3_moe_config_dict(qwen3_moe_config("qwen3-30b-a3b", num_layers=num_layers), VOCAB, 4096)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16)
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim > 1 and "embed" not in name:
+                    p.mul_(scale)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return cfg
+
+
+def export(hf: Path, out: Path, precision: str, calib: dict) -> Path:
+    """``quads-export-rollout`` of ``hf`` at ``precision`` (calibrated on the seeded random prompts)."""
+    from quads_megatron.convert import rollout_export
+
+    rollout_export.main(["--load-dir", str(hf), "--save-dir", str(out), "--rollout-precision", precision,
+                         "--rac-channels", str(calib["rac_channels"]), "--calib-size", str(calib["size"]),
+                         "--calib-seq-len", str(calib["seq_len"]), "--seed", str(calib["seed"]),
+                         "--device", DEVICE, "--force", "--no-progress"])
+    return out
+
+
+@contextlib.contextmanager
+def server(model: Path, quantization: str | None, port: int, log: Path, max_bs: int):
+    """A running SGLang server (yields its URL); stopped and its GPU memory released on exit."""
+    from quads_megatron.rl.engines.sglang_launch import launch_server
+
+    os.environ.update(SERVER_ENV)
+    t0 = time.perf_counter()
+    url, proc = launch_server(model, port, SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(max_bs)], log,
+                              quantization=quantization)
+    print(f"  server {quantization or 'bf16'} on {model.name}: healthy after {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except Exception:
+            proc.kill()
+        time.sleep(3)
+
+
+def local_engine(hf: Path, cfg: dict, precision: str, calib: dict, max_seq_len: int):
+    """The local engine on the HF checkpoint's weights, calibrated on the exporter's prompts."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig
+
+    from quads_megatron.convert.calibration import random_prompts
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.plan import QuantPlan
+    from quads_megatron.recipe import QuadsRecipe
+    from quads_megatron.rl.engines.local import LocalEngine
+    from quads_megatron.vocab import parse_precision
+
+    recipe = QuadsRecipe(rollout_precision=parse_precision(precision), rac_channels=calib["rac_channels"])
+    plan = QuantPlan.resolve(recipe, qwen3_moe.dims_from_hf_config(cfg))
+    engine = LocalEngine(Qwen3MoeConfig(**cfg), plan, max_seq_len=max_seq_len, device=DEVICE)
+    for f in sorted(hf.glob("*.safetensors")):
+        engine.update_weights(load_file(str(f), device=DEVICE).items())
+    if plan.rollout_precision.quantizes_activations:
+        prompts = random_prompts(VOCAB, num_samples=calib["size"], seq_len=calib["seq_len"], seed=calib["seed"])
+        engine.calibrate([p.tolist() for p in prompts])
+    return engine
+
+
+def greedy(engine, prompts, new_tokens: int):
+    from quads_megatron.rl.engines.base import SamplingParams
+
+    return engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens), seed=0)
+
+
+def agreement(a, b) -> dict:
+    """Identical greedy sequences, first divergence, and log-prob differences over the common prefix."""
+    same, diffs, first = 0, [], []
+    for ra, rb in zip(a, b):
+        n = next((i for i, (x, y) in enumerate(zip(ra.response_ids, rb.response_ids)) if x != y),
+                 min(len(ra.response_ids), len(rb.response_ids)))
+        same += ra.response_ids == rb.response_ids
+        first.append(n)
+        diffs += [abs(x - y) for x, y in zip(ra.logprobs[: n + 1], rb.logprobs[: n + 1])]
+    diffs.sort()
+    return {"prompts": len(a), "identical": same, "mean_first_divergence": sum(first) / len(first),
+            "max_abs_logprob_diff": diffs[-1] if diffs else 0.0,
+            "median_abs_logprob_diff": diffs[len(diffs) // 2] if diffs else 0.0}
+
+
+def random_ids(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, length), generator=g).tolist()
+
+
+def decode_rate(url: str, batch: int, in_len: int, out_len: int, seed: int) -> dict:
+    """Decode tokens/s and ms per output token: (time for out_len tokens - time for 1 token) over out_len - 1 steps."""
+    import requests
+
+    ids = random_ids(batch, in_len, seed)
+
+    def run(n):
+        payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}}
+        t0 = time.perf_counter()
+        r = requests.post(url + "/generate", json=payload, timeout=600)
+        r.raise_for_status()
+        return time.perf_counter() - t0
+
+    run(out_len)  # warm-up
+    t1 = min(run(1) for _ in range(2))
+    tn = min(run(out_len) for _ in range(2))
+    decode = max(tn - t1, 1e-9)
+    return {"batch": batch, "tokens_per_s": batch * (out_len - 1) / decode, "ms_per_token": decode / (out_len - 1) * 1e3,
+            "prefill_s": t1}
+
+
+def save(result: dict, path: str) -> None:
+    """Write what is measured so far (a stage cut short by the time limit keeps its finished rows)."""
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def stage_agree(args, work, cfg, calib, result):
+    from quads_megatron.rl.engines.sglang_http import SGLangEngine
+
+    prompts = random_ids(args.num_prompts, args.prompt_len, seed=7)
+    max_len = args.prompt_len + args.new_tokens
+    rows = result.setdefault("agree", {})
+    for p in args.precisions:
+        ckpt = work / f"rollout-{p}"
+        with server(ckpt, "quads", args.port, work / f"server-{p}.log", args.max_bs) as url:
+            srv = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
+            if args.throughput:
+                result.setdefault("throughput", {})[f"quads {p}"] = [
+                    decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
+        engine = local_engine(work / "hf", cfg, p, calib, max_len)
+        rows[p] = agreement(srv, greedy(engine, prompts, args.new_tokens))
+        del engine
+        torch.cuda.empty_cache()
+        print(f"  agree {p}: {rows[p]}", flush=True)
+        save(result, args.out_json)
+
+
+def stage_baselines(args, work, result):
+    for name, quant in (("sglang bf16", None), ("sglang fp8", "fp8")):
+        with server(work / "hf", quant, args.port, work / f"server-{name.split()[1]}.log", args.max_bs) as url:
+            result.setdefault("throughput", {})[name] = [
+                decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
+        save(result, args.out_json)
+
+
+def stage_update(args, work, cfg, calib, result):
+    """w4a4 server: tensor sync to new weights, then disk sync back; each compared with a fresh server."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig
+
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.plan import QuantPlan, quantize_named_params
+    from quads_megatron.recipe import QuadsRecipe
+    from quads_megatron.rl.engines.sglang_http import SGLangEngine
+    from quads_megatron.vocab import parse_precision
+
+    p = "w4a4"
+    prompts = random_ids(args.num_prompts, args.prompt_len, seed=7)
+    max_len = args.prompt_len + args.new_tokens
+    make_checkpoint(work / "hf2", args.num_layers, seed=2, scale=1.5)
+    export(work / "hf2", work / f"rollout2-{p}", p, calib)
+    with server(work / f"rollout2-{p}", "quads", args.port, work / "server-fresh2.log", args.max_bs) as url:
+        fresh2 = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
+    plan = QuantPlan.resolve(QuadsRecipe(rollout_precision=parse_precision(p)), qwen3_moe.dims_from_hf_config(cfg))
+    out = {}
+    with server(work / f"rollout-{p}", "quads", args.port, work / "server-update.log", args.max_bs) as url:
+        before = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
+        for mode, src in (("tensor", work / "hf2"), ("disk", work / "hf")):
+            named = [(k, v) for f in sorted(src.glob("*.safetensors"))
+                     for k, v in quantize_named_params(load_file(str(f), device="cuda").items(), plan)]
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+            engine = SGLangEngine([url], max_len, weight_sync=mode, sync_dir=str(work / "sync"),
+                                  hf_config=Qwen3MoeConfig(**cfg))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.update_weights(named)
+            seconds = time.perf_counter() - t0
+            after = greedy(engine, prompts, args.new_tokens)
+            want = fresh2 if mode == "tensor" else before
+            out[mode] = {"seconds": seconds, "gbytes": nbytes / 1e9, "gb_per_s": nbytes / 1e9 / seconds,
+                         "vs_fresh_server": agreement(after, want)}
+            print(f"  update {mode}: {out[mode]}", flush=True)
+            del named
+            torch.cuda.empty_cache()
+    result["update"] = out
+
+
+def print_throughput(rows: dict) -> None:
+    if not rows:
+        return
+    batches = [r["batch"] for r in next(iter(rows.values()))]
+    print("decode tokens/s (ms per output token)")
+    print(f"{'':16}" + "".join(f"{'B=' + str(b):>20}" for b in batches))
+    for name, rs in rows.items():
+        print(f"{name:16}" + "".join(f"{r['tokens_per_s']:>11.0f} ({r['ms_per_token']:5.2f})" for r in rs))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stages", nargs="+", default=["agree", "baselines", "update"],
+                    choices=["agree", "baselines", "update"])
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--precisions", nargs="+", default=list(QUADS_PRECISIONS), choices=QUADS_PRECISIONS)
+    ap.add_argument("--work-dir", default="/tmp/quads-sglang")
+    ap.add_argument("--out-json", required=True)
+    ap.add_argument("--port", type=int, default=30011)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--no-throughput", dest="throughput", action="store_false",
+                    help="agree stage: skip the decode-throughput measurement of the QUADS servers")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--in-len", type=int, default=128)
+    ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--max-bs", type=int, default=256, help="largest decode batch captured in a CUDA graph")
+    ap.add_argument("--rac-channels", type=int, default=64)
+    args = ap.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    calib = {"rac_channels": args.rac_channels, "size": 32, "seq_len": 128, "seed": 0}
+    result = {"gpu": torch.cuda.get_device_name(), "num_layers": args.num_layers, "vocab": VOCAB, "args": vars(args)}
+    t0 = time.perf_counter()
+    cfg_path = work / "hf" / "config.json"
+    if cfg_path.exists() and json.loads(cfg_path.read_text())["num_hidden_layers"] == args.num_layers:
+        cfg = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "transformers_version"}
+    else:
+        cfg = make_checkpoint(work / "hf", args.num_layers, seed=1)
+    for p in args.precisions if "agree" in args.stages else []:
+        if not (work / f"rollout-{p}" / "config.json").exists():
+            export(work / "hf", work / f"rollout-{p}", p, calib)
+    if "update" in args.stages and not (work / "rollout-w4a4" / "config.json").exists():
+        export(work / "hf", work / "rollout-w4a4", "w4a4", calib)
+    print(f"checkpoints ready after {time.perf_counter() - t0:.0f} s", flush=True)
+    if "agree" in args.stages:
+        stage_agree(args, work, cfg, calib, result)
+    if "baselines" in args.stages:
+        stage_baselines(args, work, result)
+    if "update" in args.stages:
+        stage_update(args, work, cfg, calib, result)
+    save(result, args.out_json)
+    print_throughput(result.get("throughput", {}))
+    print(f"wrote {args.out_json} after {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
