@@ -25,9 +25,8 @@ from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.integrity import verify_manifest, write_manifest
 from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, resolve_checkpoint_dir
 from quads_megatron.megatron.dist_writer import no_orphan_writers
+from quads_megatron.megatron.safe_load import COMMON_PT, DCP_METADATA, load_common_state, read_dcp_metadata
 
-DCP_METADATA = ".metadata"
-COMMON_PT = "common.pt"
 # HF config fields the weights were trained with: --hf-config / --preset must agree with the stored ones.
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_dim", "num_experts", "moe_intermediate_size", "num_experts_per_tok", "tie_word_embeddings",
@@ -144,16 +143,9 @@ class MegatronCheckpoint:
         self.common = self._read_common()
 
     def _read_dcp_metadata(self) -> tuple:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        f = self.path / DCP_METADATA
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing (the checkpoint's tensor index)")
-        try:
-            md = FileSystemReader(str(self.path)).read_metadata()
-        except Exception as e:  # a damaged pickle: UnpicklingError, EOFError, AttributeError, ...
-            raise CheckpointError(f"{f}: truncated or corrupt ({_one_line(e)})") from None
+        md = read_dcp_metadata(self.path)  # restricted unpickling; shard paths inside the directory
         shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         files = {}
         for info in (md.storage_data or {}).values():
@@ -170,18 +162,7 @@ class MegatronCheckpoint:
                 raise CheckpointError(f"{f}: truncated shard ({f.stat().st_size} bytes, {DCP_METADATA} needs {need})")
 
     def _read_common(self) -> dict:
-        from megatron.core import dist_checkpointing
-
-        f = self.path / COMMON_PT
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing (the checkpoint's common state)")
-        try:
-            common = dist_checkpointing.load_common_state_dict(str(self.path))
-        except Exception as e:  # torch.load of a damaged file: UnpicklingError, RuntimeError (zip), EOFError, ...
-            raise CheckpointError(f"{f}: truncated or corrupt ({_one_line(e)})") from None
-        if not isinstance(common, dict):
-            raise CheckpointError(f"{f}: expected a dict of common state, found {type(common).__name__}")
-        return common
+        return load_common_state(self.path)  # torch.load(weights_only=True): no class outside torch's allowlist
 
     def stored_hf_config(self) -> dict | None:
         """The HF config the weights were written with (common state, else the save directory's hf/), or None."""

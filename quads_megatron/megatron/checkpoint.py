@@ -308,20 +308,11 @@ def verify_checkpoint(ckpt_dir) -> None:
 
 
 def _dcp_metadata(ckpt_dir: Path):
-    """torch DCP's ``.metadata`` of a torch_dist checkpoint; CheckpointError naming it when missing or corrupt."""
-    import pickle
+    """torch DCP's ``.metadata`` of a torch_dist checkpoint, unpickled restricted (``safe_load``); CheckpointError
+    naming it when missing, corrupt, holding a class no checkpoint holds, or naming a shard outside the directory."""
+    from quads_megatron.megatron.safe_load import read_dcp_metadata
 
-    path = Path(ckpt_dir) / ".metadata"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (every torch_dist checkpoint has one)")
-    try:
-        with open(path, "rb") as f:
-            md = pickle.load(f)
-    except Exception as e:  # noqa: BLE001 -- a damaged pickle raises any of many types
-        raise CheckpointError(f"{path}: truncated or corrupt ({type(e).__name__}: {e})") from None
-    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
-        raise CheckpointError(f"{path}: not torch.distributed.checkpoint metadata ({type(md).__name__})")
-    return md
+    return read_dcp_metadata(ckpt_dir)
 
 
 def check_files(ckpt_dir) -> None:
@@ -375,6 +366,8 @@ def _dist_call(what: str, ckpt_dir, fn, *a):
         return fn(*a)
     except TorchDCPException as e:  # a BaseException; the first rank's own exception says what failed
         cause = next(iter(getattr(e, "failures", {}).values()), (e, None))[0]
+        if isinstance(cause, CheckpointError):  # refused by safe_load: already names the file
+            raise CheckpointError(str(cause)) from None
         text = str(cause).strip().splitlines()
         raise CheckpointError(f"{ckpt_dir}: {what}: {type(cause).__name__}: {text[0] if text else ''}") from None
     except CheckpointingException as e:
@@ -389,14 +382,19 @@ def _dist_call(what: str, ckpt_dir, fn, *a):
         raise CheckpointError(f"{ckpt_dir}: {what}: {text}") from None
 
 
-def _load_common(ckpt_dir) -> dict:
+def _dist_load(what: str, ckpt_dir, request: dict) -> dict:
+    """``dist_checkpointing.load`` with every pickle of the checkpoint read restricted (``safe_load``)."""
     from megatron.core import dist_checkpointing
 
-    common = _dist_call(f"reading {ckpt_dir}/common.pt", ckpt_dir, dist_checkpointing.load_common_state_dict,
-                        str(ckpt_dir))
-    if not isinstance(common, dict):
-        raise CheckpointError(f"{ckpt_dir}/common.pt: expected a dict of common state, found {type(common).__name__}")
-    return common
+    from quads_megatron.megatron.safe_load import safe_load_strategies
+
+    return _dist_call(what, ckpt_dir, lambda: dist_checkpointing.load(request, str(ckpt_dir), **safe_load_strategies()))
+
+
+def _load_common(ckpt_dir) -> dict:
+    from quads_megatron.megatron.safe_load import load_common_state as load_common_restricted
+
+    return load_common_restricted(ckpt_dir)
 
 
 def load_common_state(ckpt_dir) -> dict:
@@ -431,21 +429,18 @@ def _apply_model_state(gpt, loaded: dict, ckpt_dir) -> None:
 
 def load_model_state(model, ckpt_dir) -> Path:
     """Load only the weights (no recipe check, no optimizer) from a checkpoint of any TP/EP layout."""
-    from megatron.core import dist_checkpointing
-
     gpt = unwrap_model(model)
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     verify_checkpoint(ckpt_dir)
     with cuda_to_cpu():
         request = {"model": gpt.sharded_state_dict()}
         check_shapes(request, ckpt_dir)
-        loaded = _dist_call("loading the model", ckpt_dir, dist_checkpointing.load, request, str(ckpt_dir))
+        loaded = _dist_load("loading the model", ckpt_dir, request)
     _apply_model_state(gpt, loaded["model"], ckpt_dir)
     return ckpt_dir
 
 
 def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from quads_megatron.megatron.aqat import post_optimizer_hook
@@ -474,8 +469,7 @@ def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
         if meta.get("rank_state") and same_layout:
             request[RANK_STATE_KEY] = ShardedObject(RANK_STATE_KEY, None, (_world_size(),), (_rank(),), replica_id=0)
         check_shapes(request, ckpt_dir)
-        loaded = _dist_call("loading the model and optimizer", ckpt_dir, dist_checkpointing.load, request,
-                            str(ckpt_dir))
+        loaded = _dist_load("loading the model and optimizer", ckpt_dir, request)
         _apply_model_state(gpt, loaded["model"], ckpt_dir)
         rank_state = loaded.get(RANK_STATE_KEY)
         if is_torch:
@@ -486,8 +480,7 @@ def _read(model, ckpt_dir, optimizer=None, metadata=None) -> dict:
         elif optimizer is not None:
             opt_sd = optimizer.sharded_state_dict(gpt.sharded_state_dict(), is_loading=True,
                                                   metadata=metadata or OPTIMIZER_METADATA)
-            loaded_opt = _dist_call("loading the optimizer", ckpt_dir, dist_checkpointing.load, {"optimizer": opt_sd},
-                                    str(ckpt_dir))
+            loaded_opt = _dist_load("loading the optimizer", ckpt_dir, {"optimizer": opt_sd})
             with torch.no_grad():
                 optimizer.load_state_dict(loaded_opt["optimizer"])
     post_optimizer_hook(gpt)

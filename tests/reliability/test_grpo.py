@@ -271,6 +271,24 @@ def test_resume_from_a_flipped_shard_names_the_file(ck, tmp_path, capsys):
     assert _hashes(ck) == before and mckpt.latest_iteration(ck) == 2
 
 
+@pytest.mark.parametrize("where", ["metadata", "common.pt", "byte-item"])
+def test_resume_refuses_a_pickled_payload_before_running_it(where, ck, tmp_path, capsys):
+    """A payload in any pickle of the iteration (manifest rewritten to match) is refused by name, never run."""
+    from quads_megatron.integrity import write_manifest
+    from tests.reliability.test_untrusted_checkpoints import PLANTS, _payloads
+
+    marker = tmp_path / "ran"
+    obj, cls = _payloads(marker)["os.system"]
+    file = PLANTS[where](ck / "iter_0000002", obj)
+    write_manifest(ck / "iter_0000002")
+    before = _hashes(ck)
+    assert run(_flags(tmp_path, "--train-iters", "3", "--save", str(ck), "--resume")) == 2
+    err = _one_line(capsys)
+    assert file in err and "refused to unpickle" in err, err
+    assert not marker.exists()
+    assert _hashes(ck) == before and mckpt.latest_iteration(ck) == 2
+
+
 # ------------------------------------------------------------------ NaN / Inf stop the loop before the save
 
 def _nan_at_call(n: int):
