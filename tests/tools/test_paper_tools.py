@@ -1,8 +1,10 @@
-"""CPU smoke runs of the tools/paper_*.py commands on the tiny preset: they run and their JSON has the fields.
+"""CPU runs of the tools/paper_*.py commands on the tiny preset: their JSON is consistent with argv
+and has the relations that hold at any size.
 
-The paper's numbers come from the GPU runs in docs/results.md; here only the plumbing and a few
-properties that hold at any size (a BF16 rollout of a BF16 trainer has no gap; AQAT's trainer and a
-W4A16 rollout see the same weights; k = K compensates every channel, so calibrated == random).
+The paper's numbers come from the GPU runs in docs/results.md. Here: a BF16 rollout of a BF16 trainer
+has no gap; AQAT's trainer and a W4A16 rollout see the same weights; the tiny model's hidden size is
+64, so k = 64 compensates every fc1 channel (calibrated == random, and the RAC gap falls to the
+weight-only floor, far below W4A4's); k3 = e^d - 1 - d is never negative; throughput is tokens / time.
 """
 
 import importlib.util
@@ -46,6 +48,23 @@ def test_activation_error(tmp_path):
     assert by["w4a16", "w4a16"]["mean_abs"] < 1e-4         # AQAT: the trainer sees the rollout's weights
     assert by["bf16", "w4a4"]["mean_abs"] > 5 * by["bf16", "bf16"]["mean_abs"]
     assert all(e > 0 for e in by["bf16", "w16a4"]["layer_rel_err"])  # activations quantized, weights not
+    cfg = data["config"]
+    assert set(by) == {(t, r) for t in cfg["trainers"].split(",") for r in cfg["precisions"].split(",")}
+    assert all(r["k3_kl"] >= 0 for r in data["results"])
+    for trainer in ("bf16", "w4a16"):
+        assert by[trainer, "bf16"]["layer_rel_err"] == [0.0, 0.0]      # the rollout layer is the BF16 one
+        # the rollout that matches the trainer has the smallest gap of its row
+        others = [r["mean_abs"] for (t, p), r in by.items() if t == trainer and p != trainer]
+        assert by[trainer, trainer]["mean_abs"] < min(others)
+        # both error sources together exceed either alone, in every layer
+        for i, e in enumerate(by[trainer, "w4a4"]["layer_rel_err"]):
+            assert e > max(by[trainer, "w4a16"]["layer_rel_err"][i], by[trainer, "w16a4"]["layer_rel_err"][i])
+        # RAC (k = K on fc1) removes activation error: below W4A4 in every layer and in the gap
+        rac, w4a4 = by[trainer, "w4a4_rac"], by[trainer, "w4a4"]
+        assert all(a < b for a, b in zip(rac["layer_rel_err"], w4a4["layer_rel_err"]))
+        assert rac["mean_abs"] < w4a4["mean_abs"]
+    # an AQAT trainer against a RAC rollout: only the fc2 residual error is left
+    assert by["w4a16", "w4a4_rac"]["mean_abs"] < 0.2 * by["w4a16", "w4a4"]["mean_abs"]
 
 
 def test_rac_sweep(tmp_path):
@@ -55,7 +74,11 @@ def test_rac_sweep(tmp_path):
     rows = {(r["k"], r["channels"]): r for r in data["results"]}
     assert set(rows) == {(0, "none"), (16, "calibrated"), (16, "random"), (64, "calibrated"), (64, "random")}
     assert rows[64, "calibrated"]["mean_abs"] == pytest.approx(rows[64, "random"]["mean_abs"], rel=1e-6)
-    assert all(r["moe_layer_ms"] > 0 for r in rows.values())
+    assert all(r["k3_kl"] >= 0 and r["tokens"] == rows[0, "none"]["tokens"] for r in rows.values())
+    assert not any(r["cuda_graph"] for r in rows.values())          # CPU: no graph to replay
+    # more compensated channels, less gap; k = K compensates all of fc1
+    assert rows[64, "calibrated"]["mean_abs"] < 0.2 * rows[0, "none"]["mean_abs"]
+    assert rows[16, "calibrated"]["mean_abs"] < rows[0, "none"]["mean_abs"]
 
 
 def test_throughput(tmp_path):
@@ -63,14 +86,23 @@ def test_throughput(tmp_path):
                                             "--precisions", "bf16,w4a4"] + _outs(tmp_path, "tp"))
     data = _check_files(tmp_path, "tp")
     assert [r["precision"] for r in data["results"]] == ["bf16", "w4a4"]
+    assert (data["config"]["batch_size"], data["config"]["prefill_tokens"], data["config"]["repeats"]) == (2, 8, 1)
     for r in data["results"]:
-        assert r["tokens"] == 2 * 5 and r["decode_tokens_per_s"] > 0  # stops disabled: every row decodes 5
+        assert r["tokens"] == 2 * 5  # stops disabled: every row decodes 5
+        assert r["decode_tokens_per_s"] == pytest.approx(r["tokens"] / r["generate_s"], rel=1e-9)
+        assert r["rac_channels"] == 0 and r["moe_layer_cuda_graph"] is False
 
 
 def test_rl_stability(tmp_path):
     _tool("paper_rl_stability").main(SMALL + _outs(tmp_path, "rl") + [
         "--", "--train-iters", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--eval-interval", "2"])
     data = _check_files(tmp_path, "rl")
+    runs = {r["rollout"]: r for r in data["runs"]}
     assert [r["rollout"] for r in data["runs"]] == ["bf16", "w4a4", "w4a4_rac"]
+    assert [runs[p]["train"] for p in runs] == ["bf16", "bf16", "w4a16"]  # naive W4A4 vs QUADS' AQAT trainer
     for r in data["runs"]:
         assert [h["step"] for h in r["history"]] == [1, 2] and r["pass@1_after"] is not None
+        assert r["seed"] == data["config"]["seed"] and 0 <= r["pass@1_after"] <= 1
+    # the mismatch QUADS exists to remove: none for BF16, far less for AQAT + RAC than naive W4A4
+    assert runs["bf16"]["mean_gap"] < 1e-6
+    assert runs["bf16"]["mean_gap"] < runs["w4a4_rac"]["mean_gap"] < 0.2 * runs["w4a4"]["mean_gap"]
