@@ -3,7 +3,7 @@
 A user error (bad flag, config, file, tensor) is a ``QuadsError`` subclass whose message names the
 file or tensor, what was expected and what was found; ``run_cli`` prints it as one line and exits 2.
 Anything else is a bug and keeps its traceback. SIGINT/SIGTERM end with one line and exit 128 + signal;
-the atomic writers (``convert.output_dir``) remove their partial output on the way out.
+the atomic writers (``quads_megatron.output_dir``) remove their partial output on the way out.
 """
 
 from __future__ import annotations

@@ -14,18 +14,10 @@ which is one native W4A4 GEMM over K + k columns. All NVFP4 arithmetic is
 Channel selection: S = the k channels with the largest expected output error
 `E[(x - xq)_c^2] * ||Wq[:, c]||^2` on calibration activations (`ActivationStats` +
 `calibrate_comp_channels`). fc1 of all experts of a layer reads the same hidden states, so
-fc1 uses one set per layer. For fc2 (inputs differ per expert) we measured per-layer against
-per-expert sets with `tools/rac_channel_choice.py` (synthetic MoE layer on CPU: hidden 512,
-FFN 256, 16 experts, top-4, 4 hidden outlier channels x30; 2048 calibration and 2048
-held-out tokens; k = 32; fc2 output error of W4A4(+RAC) against BF16 activations with the
-same NVFP4 weights, relative Frobenius, 2026-12-02, seeds 0 / 1):
-    random weights:                     no RAC 0.0832 / 0.0840, per-layer 0.0769 / 0.0780,
-                                        per-expert 0.0738 / 0.0754
-    per-expert massive channels (x8):   no RAC 0.0714 / 0.0698, per-layer 0.0656 / 0.0634,
-                                        per-expert 0.0598 / 0.0554
-Per-expert sets win in both (they remove 1.5-2x more of the error), cost E*k int32 and
-nothing in the kernel (one pointer offset per expert), so fc2 uses one set per expert
-(`[E, k]`); per-layer sets (`[k]`) stay supported everywhere.
+fc1 uses one set per layer. fc2's inputs differ per expert, and per-expert sets remove more of
+its error than one per-layer set (`tools/rac_channel_choice.py`, docs/benchmarks.md) while
+costing E*k int32 and nothing in the kernel (one pointer offset per expert), so fc2 uses one
+set per expert (`[E, k]`); per-layer sets (`[k]`) stay supported everywhere.
 """
 
 from __future__ import annotations

@@ -237,11 +237,6 @@ def expected_stored_shapes(dims) -> dict:
     }
 
 
-def read_common_state(ckpt_dir) -> dict:
-    """The non-sharded (rank-0) objects of a checkpoint: ``hf_config``, ``quads_recipe`` (trainer's), loop state."""
-    return MegatronCheckpoint(ckpt_dir).common
-
-
 def hf_side_dir(load_dir) -> Path | None:
     """The HF side of a trainer save directory (``{save}/hf``: config.json + tokenizer, written by the GRPO
     loop), for ``load_dir`` = the save directory or one of its ``iter_*``; None when there is none."""

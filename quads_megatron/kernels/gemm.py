@@ -29,8 +29,8 @@ fp16 activation tile was removed: it failed its GPU accuracy test.)
 `GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
 decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and
 the few routed rows of an expert become its N (>= 8), as OpenAI's triton_kernels does for MXFP4
-on Hopper. The default configs use it at decode sizes, where the H200 sweep measured it 1.6x
-faster than the plain tile (docs/benchmarks.md).
+on Hopper. The default configs use it at decode sizes, where it is the faster tile (the sweep
+is in docs/benchmarks.md).
 
 `GemmConfig.split_k` (dense only, `dense_config`) splits K over programs when a dense projection
 at decode M has too few tiles to fill the GPU: each split stores its scaled fp32 partial (bias and
@@ -278,9 +278,9 @@ def _block_k(k: int) -> int:
 def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
     """Grouped (MoE) tile choice by rows per expert (decode: weight streaming; prefill:
     tensor-core bound); the dense GEMM takes `dense_config`.
-    rac: the launch runs the residual K-steps too; at prefill its tile then takes K 128 (measured
-    on the H200: +12% over W4A4 at 4096 tokens, +27% with K 64). All are spill-free on sm_90
-    (ptxas); docs/benchmarks.md has the sweep."""
+    rac: the launch runs the residual K-steps too; at prefill its tile then takes K 128, which
+    halves RAC's cost over W4A4 there. All are spill-free on sm_90 (ptxas); docs/benchmarks.md
+    has the sweep."""
     bk = _block_k(k)
     if rows_per_expert <= 16:
         return GemmConfig(16, 64, bk, 4, 4, 8, True)
@@ -301,7 +301,7 @@ def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
 
 def dense_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """Tile and split-K of the dense GEMM (attention / shared projections) at m rows, from the
-    H200 sweep of `tools/bench_w4a4_linear.py --sweep` (docs/benchmarks.md); num_sms 0: no split."""
+    sweep of `tools/bench_w4a4_linear.py --sweep` (docs/benchmarks.md); num_sms 0: no split."""
     bk = _block_k(k)
     if m <= 16:
         tile = GemmConfig(16, 64, bk, 4, 4, 8, True)

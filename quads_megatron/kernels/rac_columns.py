@@ -1,18 +1,17 @@
 """The RAC weight columns Wq[:, S]: built once per weight (load time / weight update), read by the Hopper GEMM's residual K-steps.
 
 RAC adds rq Wq[:, S]^T to the W4A4 product. Gathering k single columns out of the packed weight
-inside the GEMM (byte loads, nibble selects, per-element scale lookups) cost as much as the
-whole main loop on the H200, so the columns are stored instead, per expert, in the exact fp16
+inside the GEMM (byte loads, nibble selects, per-element scale lookups) cost about as much as
+the whole main loop (docs/benchmarks.md), so the columns are stored instead, per expert, in the exact fp16
 form the main loop decodes to (e2m1 * e4m3 * 2^-7: at most 6 significant bits, |v| <= 21, an
 exact fp16), and the residual runs as k extra K-steps of plain fp16 MMA into the same fp32
 accumulator: bit-for-bit the products the gather form computed, so RAC stays exact. The fp32
 per-tensor scale (weight_scale_2) is applied in the GEMM epilogue, as for the main loop.
 
-Cost: 2 bytes per compensated channel and output row (+11% over the packed weight at
-k = 64, K = 2048; +30% at K = 768). Whoever owns the weights rebuilds the columns whenever the
-weight or the channels change (SGLang's `process_weights_after_loading`, the local engine's
-`refresh_rac_columns` after each weight load and calibration); the ops build them per call when
-none are passed.
+Cost: 2 bytes per compensated channel and output row, i.e. 2k / (0.5625 K) of the packed
+weight. Whoever owns the weights rebuilds the columns whenever the weight or the channels
+change (SGLang's `process_weights_after_loading`, the local engine's `refresh_rac_columns`
+after each weight load and calibration); the ops build them per call when none are passed.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ _EXPORTS = {
     "qwen3_moe_model_args": "quads_megatron.megatron.presets",
     "hf_qwen3_moe_config_dict": "quads_megatron.megatron.presets",
     "initialize_distributed": "quads_megatron.megatron.parallel",
-    "initialize_model_parallel_cpu": "quads_megatron.megatron.parallel",
     "sync_grads": "quads_megatron.megatron.parallel",
     "build_gpt_model": "quads_megatron.megatron.model",
     "apply_quads": "quads_megatron.megatron.aqat",

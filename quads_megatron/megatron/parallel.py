@@ -49,10 +49,6 @@ def initialize_distributed(tp: int = 1, ep: int = 1, etp=None, pp: int = 1, seed
     seed_everything(seed)
 
 
-# The name docs/interfaces.md gives this helper.
-initialize_model_parallel_cpu = initialize_distributed
-
-
 def seed_everything(seed: int):
     """Same CPU seed on every rank + Megatron's TP/EP RNG tracker (model_parallel_cuda_manual_seed)."""
     from megatron.core import tensor_parallel

@@ -133,7 +133,7 @@ def hf_qwen3_moe_config_dict(config, vocab_size: int, max_seq_len: int,
         num_experts=config.num_moe_experts,
         num_experts_per_tok=config.moe_router_topk,
         # Megatron's top-k-then-softmax renormalises (HF norm_topk_prob=True); pre_softmax keeps
-        # the softmax over all experts (norm_topk_prob=False), as convert.qwen3_moe maps it.
+        # the softmax over all experts (norm_topk_prob=False), as models.qwen3_moe maps it.
         norm_topk_prob=not config.moe_router_pre_softmax,
         router_aux_loss_coef=float(config.moe_aux_loss_coeff),
         initializer_range=config.init_method_std,

@@ -277,8 +277,8 @@ if triton is not None:
         scale per group, outputs stacked [G * GROUP, R, ...]; a program owns BLOCK_R rows (all of K)
         of one group. MODE 2: the amax pass (max|x| and a NaN/Inf flag per group, atomics into
         `amax_ptr` / `bad_ptr`); MODE 0: quantize with those. A group holding NaN/Inf gets a NaN S_dec,
-        so it decodes to NaN and never to finite garbage. (Doing both in one launch, quantize programs
-        waiting on per-group counters, measured 1.1x slower than two launches on the H200.)"""
+        so it decodes to NaN and never to finite garbage. Two launches, not one: quantize programs
+        waiting on per-group counters in a single launch were slower (docs/benchmarks.md)."""
         NB: tl.constexpr = BLOCK_K // 16
         GR = GROUP * R
         T = tl.cdiv(GR, BLOCK_R)
@@ -392,7 +392,7 @@ def _launch_shape(x_shape) -> tuple:
 
 QUANTIZE_TILE = {"block_r": 4, "block_k": 512, "num_warps": 4}
 DEQUANTIZE_TILE = {"block_r": 32, "block_k": 128, "num_warps": 4}
-"""Launch shapes of the elementwise kernels, the best measured on the H200 (docs/benchmarks.md)."""
+"""Launch shapes of the elementwise kernels, chosen by the tile sweep in docs/benchmarks.md."""
 
 
 def _tile(k: int, tile, default) -> tuple:
@@ -471,7 +471,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
 GROUPED_TILE = {"block_r": 4, "block_k": 256, "num_warps": 4}
 GROUPED_AMAX_TILE = {"block_r": 8, "block_k": 512, "num_warps": 4}
 """Launch shapes of the grouped kernel's quantize and amax launches: rows per program, K per inner
-step, warps (the best measured on the H200, docs/benchmarks.md)."""
+step, warps (chosen by the tile sweep in docs/benchmarks.md)."""
 
 AMAX_GIVEN, AMAX_ONLY = 0, 2
 

@@ -164,8 +164,6 @@ class QuantPlan:
         """The plan of the HF weight ``name``; None for weights no scope covers (norms, router, ...)."""
         return self._tensors.get(name)
 
-    get = __getitem__
-
     def __iter__(self) -> Iterator[TensorPlan]:
         return iter(self._tensors.values())
 

@@ -7,5 +7,5 @@ Run it with `torchrun examples/train_grpo_moe.sh [flags]` (or `python -m quads_m
 * `engines`: `RolloutEngine` + `LocalEngine` (HF Qwen3-MoE, KV cache, NVFP4 kernels per
   `--rollout-precision`) + `SGLangEngine` (HTTP, several servers or a router).
 * `tasks` (verifiable rewards), `tokenizer` (char-level default), `advantages`, `loss` (PPO clip,
-  TIS, token MIS, k3 KL), `batch`, `metrics` (TensorBoard + compact line), `checkpoint`.
+  TIS, token MIS, k3 KL), `batch`, `metrics` (TensorBoard + compact line).
 """

@@ -214,7 +214,7 @@ class GRPOTrainer:
                                     for i in range(0, len(batch), mbs)])
         if old_lp is not None:
             check_finite("the trainer log-prob", step, _nonfinite(old_lp, batch.mask))
-        gaps, n_mb = [], 0
+        gaps = []
         for s in range(self.steps_per_rollout):
             bad = None  # the first non-finite quantity of this rank in this optimizer step
             sub_lo, sub_hi = s * self.local_batch, (s + 1) * self.local_batch
@@ -243,7 +243,6 @@ class GRPOTrainer:
                     for k, v in mm.items():
                         stats[k] += float(v) * float(mb.mask.sum() / denom)
                     gaps.append((olp - mb.rollout_logp)[mb.mask.bool()])
-                n_mb += 1
             for what in ("the trainer log-prob", "the GRPO loss"):
                 check_finite(what, step, bad == what)
             norm = self.policy.optimizer_step()
@@ -300,9 +299,7 @@ class GRPOTrainer:
             self.sft_warmup()
         if _rank0():
             self.logger.text("config", "\n".join(f"    --{k.replace('_', '-')} {v}" for k, v in sorted(vars(a).items())))
-        t = time.perf_counter()
         self.sync_weights()
-        sync_time = time.perf_counter() - t
         pass_before = self.evaluate() if start == 0 else (self.history[0].get("pass_before") if self.history else None)
         if start == 0:
             self.history = [{"pass_before": pass_before}]
@@ -373,8 +370,7 @@ class GRPOTrainer:
                 saved = True
         if bar is not None:
             bar.close()
-        summary = self.summary(sync_time)
-        return summary
+        return self.summary()
 
     # ------------------------------------------------------------------ checkpoints
     LOOP_STATE_KEY = "grpo_loop"  # the loop's common state in the checkpoint: iteration, history, args
@@ -425,7 +421,7 @@ class GRPOTrainer:
         _print(f"resumed from {state['dir']} at iteration {state['iteration']}")
         return {"iteration": state["iteration"], "rng": rng}
 
-    def summary(self, first_sync_time: float) -> dict:
+    def summary(self) -> dict:
         """Reward before/after, pass@1 before/after, mean log-prob gap: printed, to TensorBoard and JSON."""
         steps = [h for h in self.history if "step" in h]
         k = max(1, min(5, len(steps) // 3)) if steps else 1
