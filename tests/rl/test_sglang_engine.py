@@ -18,7 +18,7 @@ from quads_megatron.rl.engines.sglang_http import SGLangEngine, SGLangError
 
 class _Server:
     def __init__(self, fail_update=False, tp_size=1):
-        self.calls, self.fail_update, self.tp_size, self.received = [], fail_update, tp_size, None
+        self.calls, self.fail_update, self.tp_size, self.received = [], fail_update, tp_size, []
         owner = self
 
         class H(BaseHTTPRequestHandler):
@@ -48,7 +48,14 @@ class _Server:
                 if self.path == "/update_weights_from_tensor":
                     from sglang.srt.utils import MultiprocessingSerializer
 
-                    owner.received = [MultiprocessingSerializer.deserialize(b) for b in body["serialized_named_tensors"]]
+                    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+                    # what SGLang's weight updater does with load_format="flattened_bucket"
+                    assert body["load_format"] == "flattened_bucket"
+                    payloads = [MultiprocessingSerializer.deserialize(b) for b in body["serialized_named_tensors"]]
+                    owner.received.append([FlattenedTensorBucket(flattened_tensor=p["flattened_tensor"],
+                                                                 metadata=p["metadata"]).reconstruct_tensors()
+                                           for p in payloads])
                 if self.path == "/update_weights_from_disk" and owner.fail_update:
                     return self._reply({"success": False, "message": "shape mismatch in w13_weight"}, 400)
                 self._reply({"success": True, "message": ""})
@@ -107,10 +114,37 @@ def test_weight_update_from_tensor_one_payload_per_tp_rank(servers):
     eng.update_weights(w)
     assert [p for p in s.paths() if "weight" in p] == ["/begin_weight_update", "/update_weights_from_tensor",
                                                         "/end_weight_update"]
-    assert len(s.received) == 2
-    for payload in s.received:
-        assert [n for n, _ in payload] == [n for n, _ in w]
-        assert all(t.dtype == ref.dtype and torch.equal(t.float(), ref.float()) for (_, t), (_, ref) in zip(payload, w))
+    ((rank0, rank1),) = s.received  # one bucket, one payload per TP rank
+    for payload in (rank0, rank1):
+        got = dict(payload)
+        assert sorted(got) == sorted(n for n, _ in w)
+        assert all(got[n].dtype == ref.dtype and torch.equal(got[n].float(), ref.float()) for n, ref in w)
+
+
+def test_tensor_sync_buckets_keep_every_tensor_bitwise_and_aligned(servers):
+    """Flat buckets of at most bucket_bytes; an fp32 scale after odd-sized uint8 codes still views in place
+    on the server (SGLang's FlattenedTensorBucket.reconstruct_tensors), bit for bit; one flush at the end."""
+    s = servers(tp_size=1)
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="tensor", bucket_bytes=64)
+    g = torch.Generator().manual_seed(0)
+    w = []
+    for e in range(3):
+        pre = f"model.layers.0.mlp.experts.{e}.down_proj"
+        w += [(f"{pre}.weight", torch.randint(0, 255, (5, 7), dtype=torch.uint8, generator=g)),
+              (f"{pre}.weight_scale", torch.rand(5, 1, generator=g).to(torch.float8_e4m3fn)),
+              (f"{pre}.weight_scale_2", torch.rand((), generator=g)),
+              (f"{pre}.input_scale", torch.rand((), generator=g).to(torch.bfloat16))]
+    w.append(("model.embed_tokens.weight", torch.randn(8, 4, generator=g)))  # 128 bytes: alone in its bucket
+    eng.update_weights(w)
+    calls = [b for p, b in s.calls if p == "/update_weights_from_tensor"]
+    assert len(calls) == len(s.received) > 1
+    assert [b["flush_cache"] for b in calls] == [False] * (len(calls) - 1) + [True]
+    got = {n: t for bucket in s.received for (payload,) in [bucket] for n, t in payload}
+    assert sorted(got) == sorted(n for n, _ in w)
+    for name, ref in w:
+        t = got[name]
+        assert t.dtype == ref.dtype and t.shape == ref.shape, name
+        assert torch.equal(t.view(torch.uint8), ref.reshape(ref.shape).contiguous().view(torch.uint8)), name
 
 
 def test_failed_update_raises_and_still_closes_session(servers, tmp_path):
@@ -137,7 +171,7 @@ def test_bf16_weight_sync_sends_high_precision_tensors(servers):
     eng.update_weights(w)
     assert [p for p in s.paths() if "weight" in p] == ["/begin_weight_update", "/update_weights_from_tensor",
                                                         "/end_weight_update"]
-    ((name, t),) = s.received[0]
+    (((name, t),),) = s.received[0]
     assert name == w[0][0] and t.dtype == torch.bfloat16 and torch.equal(t, w[0][1])
 
 

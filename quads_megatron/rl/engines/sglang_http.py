@@ -23,8 +23,8 @@ class SGLangError(RuntimeError):
 class SGLangEngine(RolloutEngine):
     """Spreads prompts over one or more SGLang URLs; syncs weights inside begin/end_weight_update.
 
-    Weight sync modes: "tensor" (update_weights_from_tensor: tensors handed over through shared
-    memory / CUDA IPC, so trainer and server must share a host), "tensor-bf16" (the same with BF16
+    Weight sync modes: "tensor" (update_weights_from_tensor: tensors handed over in flat buckets of
+    ``bucket_bytes`` through shared memory / CUDA IPC, so trainer and server must share a host), "tensor-bf16" (the same with BF16
     expert weights, which the server's quads MoE method quantizes: `sends_nvfp4` is False) or "disk"
     (safetensors written to `sync_dir`, then update_weights_from_disk; works across hosts with a
     shared filesystem).
@@ -34,7 +34,8 @@ class SGLangEngine(RolloutEngine):
     """
 
     def __init__(self, urls: list[str], max_seq_len: int, weight_sync: str = "tensor", sync_dir: str | None = None,
-                 timeout_s: float = 600.0, hf_config=None, tokenizer=None, router_url: str | None = None):
+                 timeout_s: float = 600.0, hf_config=None, tokenizer=None, router_url: str | None = None,
+                 bucket_bytes: int = 1 << 30):
         import requests  # noqa: F401  (fail early with ImportError if missing)
 
         if not urls:
@@ -49,6 +50,7 @@ class SGLangEngine(RolloutEngine):
         self.hf_config = hf_config
         self.tokenizer = tokenizer
         self.router_url = router_url.rstrip("/") if router_url else None
+        self.bucket_bytes = bucket_bytes
         if self.router_url:
             self._get(self.router_url, "/health", timeout=10)
         self.tp_sizes = {}
@@ -144,18 +146,27 @@ class SGLangEngine(RolloutEngine):
                 self._post(u, "/end_weight_update", {})
 
     def _sync_tensor(self, named):
+        """Hand the tensors over in flat buckets: one CUDA IPC handle (or shared-memory segment) per bucket and
+        TP rank, which the server splits back into views with SGLang's own ``FlattenedTensorBucket``."""
         import base64
 
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         if any(t.is_cuda for _, t in named):
             monkey_patch_torch_reductions()  # CUDA IPC handles that name the device by UUID, as SGLang expects
-        for u in self.urls:
-            # one payload per server TP rank (each rank deserializes its own copy), as sglang.Engine does
-            blobs = [base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
-                     for _ in range(self.tp_sizes[u])]
-            self._post(u, "/update_weights_from_tensor", {"serialized_named_tensors": blobs, "flush_cache": True})
+        buckets = flat_buckets(named, self.bucket_bytes)
+        for i, group in enumerate(buckets):
+            bucket = FlattenedTensorBucket(named_tensors=group)
+            payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+            for u in self.urls:
+                # one payload per server TP rank (each rank deserializes its own copy), as sglang.Engine does
+                blobs = [base64.b64encode(MultiprocessingSerializer.serialize(payload)).decode()
+                         for _ in range(self.tp_sizes[u])]
+                self._post(u, "/update_weights_from_tensor", {"serialized_named_tensors": blobs,
+                                                             "load_format": "flattened_bucket",
+                                                             "flush_cache": i == len(buckets) - 1})
 
     def _sync_disk(self, named):
         from safetensors.torch import save_file
@@ -177,6 +188,24 @@ class SGLangEngine(RolloutEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def flat_buckets(named: list, bucket_bytes: int) -> list[list]:
+    """Split (name, tensor) pairs into buckets of at most ``bucket_bytes`` (a larger tensor travels alone).
+
+    Within a bucket the tensors are ordered by element size, largest first, so that every tensor's byte
+    offset in the flat uint8 buffer is a multiple of its element size (the server views it in place)."""
+    buckets, current, size = [], [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += n
+    if current:
+        buckets.append(current)
+    return [sorted(b, key=lambda nt: -nt[1].element_size()) for b in buckets]
 
 
 def parse_urls(values: list[str] | None) -> list[str]:
