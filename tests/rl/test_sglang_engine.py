@@ -130,8 +130,8 @@ def test_tensor_sync_buckets_keep_every_tensor_bitwise_and_aligned(servers):
     w = []
     for e in range(3):
         pre = f"model.layers.0.mlp.experts.{e}.down_proj"
-        w += [(f"{pre}.weight", torch.randint(0, 255, (5, 7), dtype=torch.uint8, generator=g)),
-              (f"{pre}.weight_scale", torch.rand(5, 1, generator=g).to(torch.float8_e4m3fn)),
+        w += [(f"{pre}.weight", torch.randint(0, 255, (5, 7), dtype=torch.uint8, generator=g)),  # 35 bytes
+              (f"{pre}.weight_scale", torch.rand(5, 2, generator=g).to(torch.float8_e4m3fn)),  # fp32 next at 45
               (f"{pre}.weight_scale_2", torch.rand((), generator=g)),
               (f"{pre}.input_scale", torch.rand((), generator=g).to(torch.bfloat16))]
     w.append(("model.embed_tokens.weight", torch.randn(8, 4, generator=g)))  # 128 bytes: alone in its bucket
