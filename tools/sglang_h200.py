@@ -29,11 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# What SGLang 0.5.23 needs on the H200 image (docs/sglang-hopper.md says why each is there).
-SERVER_ENV = {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1", "SGLANG_IS_FLASHINFER_AVAILABLE": "false",
-              "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
-SERVER_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-                "--skip-tokenizer-init", "--mem-fraction-static", "0.7", "--disable-radix-cache"]
+# token ids in and out, room for the script's own tensors, every request prefilled in full
+SERVER_FLAGS = ["--skip-tokenizer-init", "--mem-fraction-static", "0.7", "--disable-radix-cache"]
 QUADS_PRECISIONS = ("w4a4_rac", "w4a4", "w4a16")
 VOCAB = 32768
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,12 +71,12 @@ def export(hf: Path, out: Path, precision: str, calib: dict) -> Path:
 @contextlib.contextmanager
 def server(model: Path, quantization: str | None, port: int, log: Path, max_bs: int):
     """A running SGLang server (yields its URL); stopped and its GPU memory released on exit."""
-    from quads_megatron.rl.engines.sglang_launch import launch_server
+    from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS, SLIM_IMAGE_ENV, launch_server
 
-    os.environ.update(SERVER_ENV)
+    os.environ.update(SLIM_IMAGE_ENV)
     t0 = time.perf_counter()
-    url, proc = launch_server(model, port, SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(max_bs)], log,
-                              quantization=quantization)
+    url, proc = launch_server(model, port, SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(max_bs)],
+                              log, quantization=quantization)
     print(f"  server {quantization or 'bf16'} on {model.name}: healthy after {time.perf_counter() - t0:.0f} s",
           flush=True)
     try:

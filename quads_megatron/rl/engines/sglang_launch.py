@@ -12,6 +12,12 @@ import torch.distributed as dist
 
 from .sglang_http import SGLangError
 
+# SGLang 0.5.23 on a Hopper image without FlashInfer, FA3 or a torch-2.14 build of its Rust radix tree
+# (the slimmed wheel set of tools/sglang_wheelhouse.sh; docs/sglang-hopper.md says why each is needed).
+SLIM_IMAGE_ENV = {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1", "SGLANG_IS_FLASHINFER_AVAILABLE": "false",
+                  "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+SLIM_IMAGE_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+
 
 def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike,
                               calib_prompts: list[str] | None = None) -> Path:

@@ -1,0 +1,144 @@
+"""SGLang's real server with `--quantization quads`: it serves exported checkpoints and takes RL weight updates.
+
+The reference is the local engine (transformers' Qwen3-MoE with our NVFP4 modules) on the same HF weights and
+plan: a different attention, sampler and scheduler around the same kernels. The model's lm_head is scaled
+so greedy choices have clear margins; the engines may still differ where a rounding flips an activation's
+E2M1 code, so the checks are: most sequences identical, log-probs close up to the first divergence. An
+update must switch the server to the new weights' outputs, and syncing the old weights back must give the
+first outputs again bit for bit (same server, same CUDA graphs, no re-capture).
+
+Needs a CUDA GPU and SGLang (tools/gpu_session.sh sglang installs the wheel set of tools/sglang_wheelhouse.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("sglang", reason="SGLang is not installed")
+
+CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=512, norm_topk_prob=True, tie_word_embeddings=False,
+              decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6)
+CALIB = ["--calib-size", "8", "--calib-seq-len", "64", "--seed", "0", "--rac-channels", "16"]
+PROMPTS = [list(range(3 + i, 3 + i + 12)) for i in range(8)]
+NEW_TOKENS = 16
+
+
+def _save_hf(path, seed):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked logits: greedy margins far above kernel rounding
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _export(hf, out, precision):
+    from quads_megatron.convert import rollout_export
+
+    rollout_export.main(["--load-dir", str(hf), "--save-dir", str(out), "--rollout-precision", precision,
+                         *CALIB, "--device", "cuda", "--force", "--no-progress"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang_server")
+    hf1, hf2 = _save_hf(root / "hf1", 1), _save_hf(root / "hf2", 2)
+    return {"hf1": hf1, "hf2": hf2, "w4a4_rac": _export(hf1, root / "rac", "w4a4_rac"),
+            "w4a4": _export(hf1, root / "w4a4", "w4a4"), "root": root}
+
+
+def _server(ckpt, log):
+    from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS, SLIM_IMAGE_ENV, launch_server
+
+    os.environ.update(SLIM_IMAGE_ENV)
+    return launch_server(ckpt, 30123, [*SLIM_IMAGE_ARGS, "--skip-tokenizer-init", "--mem-fraction-static", "0.3",
+                                       "--cuda-graph-max-bs-decode", "8", "--disable-radix-cache"], log)
+
+
+def _local(hf, precision):
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig
+
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.plan import QuantPlan
+    from quads_megatron.recipe import QuadsRecipe
+    from quads_megatron.rl.engines.local import LocalEngine
+    from quads_megatron.vocab import parse_precision
+
+    cfg = json.loads((hf / "config.json").read_text())
+    plan = QuantPlan.resolve(QuadsRecipe(rollout_precision=parse_precision(precision), rac_channels=16),
+                             qwen3_moe.dims_from_hf_config(cfg))
+    engine = LocalEngine(Qwen3MoeConfig(**CONFIG), plan, max_seq_len=64, device="cuda")
+    engine.update_weights(load_file(str(hf / "model.safetensors"), device="cuda").items())
+    return engine, plan
+
+
+def _greedy(engine):
+    from quads_megatron.rl.engines.base import SamplingParams
+
+    return engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), seed=0)
+
+
+def _close(a, b, min_identical=6, tol=0.05):
+    """Most greedy sequences identical; log-probs within tol up to each sequence's first divergence."""
+    identical = sum(x.response_ids == y.response_ids for x, y in zip(a, b))
+    assert identical >= min_identical, f"{identical}/{len(a)} identical greedy sequences"
+    for x, y in zip(a, b):
+        n = next((i for i, (p, q) in enumerate(zip(x.response_ids, y.response_ids)) if p != q), NEW_TOKENS)
+        diff = max(abs(p - q) for p, q in zip(x.logprobs[: n + 1], y.logprobs[: n + 1]))
+        assert diff < tol, f"log-prob difference {diff:.3g} before the first divergence"
+
+
+def test_rac_server_serves_what_the_local_engine_computes(ckpts):
+    from quads_megatron.convert.calibration import random_prompts
+    from quads_megatron.rl.engines.sglang_http import SGLangEngine
+
+    url, proc = _server(ckpts["w4a4_rac"], ckpts["root"] / "rac.log")
+    try:
+        served = _greedy(SGLangEngine([url], 64))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    local, _ = _local(ckpts["hf1"], "w4a4_rac")
+    local.calibrate([p.tolist() for p in random_prompts(CONFIG["vocab_size"], num_samples=8, seq_len=64, seed=0)])
+    _close(served, _greedy(local))
+
+
+def test_weight_updates_switch_the_running_server_to_the_new_weights(ckpts):
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig
+
+    from quads_megatron.plan import quantize_named_params
+    from quads_megatron.rl.engines.sglang_http import SGLangEngine
+
+    local1, plan = _local(ckpts["hf1"], "w4a4")
+    local2, _ = _local(ckpts["hf2"], "w4a4")
+    url, proc = _server(ckpts["w4a4"], ckpts["root"] / "w4a4.log")
+    try:
+        before = _greedy(SGLangEngine([url], 64))
+        _close(before, _greedy(local1))
+        for mode, hf, want in (("tensor", ckpts["hf2"], local2), ("disk", ckpts["hf1"], None)):
+            named = list(quantize_named_params(load_file(str(hf / "model.safetensors"), device="cuda").items(), plan))
+            engine = SGLangEngine([url], 64, weight_sync=mode, sync_dir=str(ckpts["root"] / "sync"),
+                                  hf_config=Qwen3MoeConfig(**CONFIG))  # what the GRPO job's disk sync writes
+            engine.update_weights(named)
+            after = _greedy(engine)
+            if want is not None:
+                assert [r.response_ids for r in after] != [r.response_ids for r in before], "update had no effect"
+                _close(after, _greedy(want))
+            else:  # the first weights again: the first outputs, bit for bit
+                assert [r.response_ids for r in after] == [r.response_ids for r in before]
+                assert [r.logprobs for r in after] == [r.logprobs for r in before]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
