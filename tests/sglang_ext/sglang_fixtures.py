@@ -9,7 +9,7 @@ from typing import Dict
 
 import torch
 
-from quads_megatron.nvfp4 import quantize, quantize_with_shared_scale
+from quads_megatron.nvfp4 import NVFP4Tensor, dequantize, quantize, quantize_with_shared_scale
 
 # The tiny Qwen3-MoE: 1 decoder layer, hidden 64, 4 experts of width 32 (transformers config).
 TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
@@ -43,6 +43,36 @@ def input_scale(seed: int) -> torch.Tensor:
     """A static per-tensor activation decode scale (amax / 2688) for activations ~ N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
     return torch.tensor((4.0 + torch.rand((), generator=g).item()) / 2688.0, dtype=torch.float32)
+
+
+# --- the layers' definition, one token at a time, from the NVFP4 format only ---------------------
+# (independent of quads_megatron.kernels and quads_megatron.rac: what the tests check the layers against)
+def dequantized_weight(t: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Wq in fp32 from one matrix's ModelOpt tensors (`weight`, `weight_scale`, `weight_scale_2`)."""
+    q = NVFP4Tensor.from_modelopt(t["weight"], t["weight_scale"], t["weight_scale_2"])
+    return dequantize(q, torch.float32)
+
+
+def fake_quant_rows(v: torch.Tensor, static_scale=None) -> torch.Tensor:
+    """dq(q(v)) of rows v [n, K]: a per-row global scale, or the static decode scale (amax = 2688 * scale)."""
+    if static_scale is None:
+        return dequantize(quantize(v, per_row=True), torch.float32)
+    amax = torch.as_tensor(static_scale, dtype=torch.float32).reshape(()) * 2688
+    return dequantize(quantize(v, amax=amax), torch.float32)
+
+
+def nvfp4_row(v: torch.Tensor, w: torch.Tensor, mode: str, comp=None, static_scale=None) -> torch.Tensor:
+    """One token through one NVFP4 linear: v [K] (fp32) @ w [N, K]^T, the activation as `mode` says:
+    w4a16 as is; w4a4 quantized; w4a4_rac plus the residual on the channels `comp`, quantized again
+    with its own per-row scale, times those weight columns."""
+    if mode == "w4a16":
+        return v @ w.t()
+    vq = fake_quant_rows(v[None], static_scale)[0]
+    y = vq @ w.t()
+    if mode == "w4a4_rac":
+        s = comp.long()
+        y = y + fake_quant_rows((v[s] - vq[s])[None])[0] @ w[:, s].t()
+    return y
 
 
 def moe_checkpoint(num_experts: int, hidden: int, ffn: int, k: int, seed: int) -> Dict[str, torch.Tensor]:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_fixtures import moe_checkpoint
-from quads_megatron import nvfp4
+from sglang_fixtures import dequantized_weight, moe_checkpoint, nvfp4_row
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from quads_megatron.kernels import reference
 from quads_megatron.kernels.rac_columns import rac_weight_columns
@@ -84,57 +83,33 @@ def _expected(x, topk_w, topk_ids, ckpt, cfg) -> torch.Tensor:
         w2_input_scale=w2_scales.max() if static else None)
 
 
-def _fake_quant(v: torch.Tensor, static_scale=None) -> torch.Tensor:
-    """dq(q(v)) of rows v [n, K]: a per-row global scale, or the static decode scale (amax = 2688 * scale)."""
-    if static_scale is None:
-        return nvfp4.dequantize(nvfp4.quantize(v, per_row=True), torch.float32)
-    amax = torch.as_tensor(static_scale, dtype=torch.float32).reshape(()) * 2688
-    return nvfp4.dequantize(nvfp4.quantize(v, amax=amax), torch.float32)
-
-
-def _w4a4_row(v: torch.Tensor, w: torch.Tensor, mode: str, comp, static_scale) -> torch.Tensor:
-    """One token through one NVFP4 linear: v [K] (fp32) @ w [N, K]^T, activations as `mode` says."""
-    if mode == "w4a16":
-        return v @ w.t()
-    vq = _fake_quant(v[None], static_scale)[0]
-    y = vq @ w.t()
-    if comp is not None:  # RAC: the residual on S, quantized again with its own per-row scale
-        s = comp.long()
-        y = y + _fake_quant((v[s] - vq[s])[None])[0] @ w[:, s].t()
-    return y
-
-
 def _by_token(x, topk_w, topk_ids, ckpt, cfg) -> torch.Tensor:
     """sum_j w_j * down_e(SiLU(gate_e(x)) * up_e(x)) per token, from the per-expert HF tensors."""
     s = cfg.rollout
     static = s.static_activation_scale
 
     def weight(e, proj):
-        pre = f"experts.{e}.{proj}"
-        q = nvfp4.NVFP4Tensor.from_modelopt(ckpt[f"{pre}.weight"], ckpt[f"{pre}.weight_scale"],
-                                            ckpt[f"{pre}.weight_scale_2"])
-        return nvfp4.dequantize(q, torch.float32)
+        return dequantized_weight({k: ckpt[f"experts.{e}.{proj}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")})
 
-    def extra(e, proj):
-        pre = f"experts.{e}.{proj}"
-        return (ckpt[f"{pre}.input_comp_index"] if s.uses_rac else None,
-                ckpt[f"{pre}.input_scale"] if static else None)
+    def comp(e, proj):
+        return ckpt[f"experts.{e}.{proj}.input_comp_index"] if s.uses_rac else None
 
-    # SGLang's fc2 takes one static input scale for all experts: the largest
+    # gate and up read the same input with the same static scale; SGLang's fc2 takes one static
+    # input scale for all experts: the largest
+    w13_scale = float(ckpt["experts.0.gate_proj.input_scale"]) if static else None
     w2_scale = max(float(ckpt[f"experts.{e}.down_proj.input_scale"]) for e in range(E)) if static else None
     out = torch.zeros(x.shape[0], H)
     for t in range(x.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             v = x[t].to(torch.float32)
-            gate = _w4a4_row(v, weight(e, "gate_proj"), s.precision, *extra(e, "gate_proj"))
-            up = _w4a4_row(v, weight(e, "up_proj"), s.precision, *extra(e, "up_proj"))
+            gate = nvfp4_row(v, weight(e, "gate_proj"), s.precision, comp(e, "gate_proj"), w13_scale)
+            up = nvfp4_row(v, weight(e, "up_proj"), s.precision, comp(e, "up_proj"), w13_scale)
             gate, up = gate.to(x.dtype).float(), up.to(x.dtype).float()  # SGLang's bf16 intermediate cache
             h = torch.nn.functional.silu(gate) * up
             if s.precision == "w4a16":
                 h = h.to(x.dtype).float()
-            comp2 = extra(e, "down_proj")[0]
-            y = _w4a4_row(h, weight(e, "down_proj"), s.precision, comp2, w2_scale)
+            y = nvfp4_row(h, weight(e, "down_proj"), s.precision, comp(e, "down_proj"), w2_scale)
             out[t] += (y * float(topk_w[t, j])).to(x.dtype).float()
     return out.to(x.dtype)
 
@@ -259,6 +234,8 @@ def test_bf16_weight_sync_is_quantized_on_the_server_like_the_export(sglang_runt
     """--sglang-weight-sync tensor-bf16: the layer quantizes BF16 experts at the end of the update into its
     NVFP4 parameters in place; the result equals loading the trainer's NVFP4 export of the same weights."""
     from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from quads_megatron import nvfp4
 
     monkeypatch.setenv("QUADS_BACKEND", "torch")
     x, topk = routed
