@@ -2,7 +2,10 @@
 
 Every checkpoint directory we write (HF, rollout, Megatron dist checkpoint, GRPO iteration) gets
 ``quads_manifest.json``: ``{"format": "quads-manifest/1", "files": {relative path: {"sha256", "bytes"}}}``.
-Readers call ``verify_manifest(dir)``; a directory without a manifest (written by someone else) is accepted.
+Readers call ``verify_manifest(dir)``.  A directory without a manifest is accepted when someone else wrote
+it; one that says we wrote it (``require_manifest``: a ``PRODUCER`` mark) is refused, since its files
+cannot be verified.  Every file a reader opens goes through ``checkpoint_file``: it must resolve (symlinks
+followed) inside the directory and, when there is a manifest, be listed in it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from quads_megatron.errors import CheckpointError
 
 MANIFEST = "quads_manifest.json"
 FORMAT = "quads-manifest/1"
+PRODUCER = "quads-megatron"   # the mark our writers leave in what they write (safetensors metadata, configs)
 _CHUNK = 16 << 20
 
 
@@ -52,6 +56,7 @@ def read_manifest(root) -> dict | None:
     path = Path(root) / MANIFEST
     if not path.exists():
         return None
+    inside(root, MANIFEST)
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -59,6 +64,52 @@ def read_manifest(root) -> dict | None:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), dict):
         raise CheckpointError(f"{path}: not a {FORMAT} manifest (expected keys 'format' and 'files')")
     return doc["files"]
+
+
+def inside(root, rel, what: str = "file") -> Path:
+    """``root/rel`` once it is known to resolve (symlinks followed) inside ``root``; CheckpointError naming it
+    when ``rel`` is not a relative path or it leads out (``..``, absolute, a symlink to elsewhere)."""
+    root = Path(root)
+    if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel):
+        raise CheckpointError(f"{root}: {what} {rel!r} is not a path relative to the checkpoint; refused")
+    real_root = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(real_root, rel))
+    if target == real_root or os.path.commonpath([real_root, target]) != real_root:
+        raise CheckpointError(f"{root / rel}: resolves to {target}, outside the checkpoint directory {root}; "
+                              "refused (a checkpoint reads only its own files)")
+    return root / rel
+
+
+def checkpoint_file(root, rel, listed: dict | None, what: str = "file") -> Path:
+    """``inside(root, rel)``, and listed in the manifest ``listed`` (``read_manifest``) when there is one:
+    the manifest is the list of what a reader may open."""
+    path = inside(root, rel, what)
+    if listed is not None and rel.replace(os.sep, "/") not in listed:
+        raise CheckpointError(f"{path}: not listed in {Path(root) / MANIFEST} (added after the checkpoint was "
+                              "written); refused")
+    return path
+
+
+LOADER_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth", "config.json")
+
+
+def check_loader_reads(root, patterns=LOADER_PATTERNS) -> dict | None:
+    """For a loader we do not control (SGLang globs ``*.safetensors`` itself): every file of ``root`` it may
+    read must resolve inside ``root`` and, with a manifest, be listed in it; returns the manifest's table."""
+    root = Path(root)
+    listed = read_manifest(root)
+    names = sorted({p.name for pattern in patterns for p in root.glob(pattern)})
+    for name in names:
+        checkpoint_file(root, name, listed, "file")
+    return listed
+
+
+def require_manifest(root, evidence: str | None) -> None:
+    """A directory without a manifest that ``evidence`` says we wrote is a CheckpointError (its files cannot be
+    verified: the manifest was deleted); ``evidence`` None (someone else's checkpoint) passes."""
+    if evidence is not None and not (Path(root) / MANIFEST).exists():
+        raise CheckpointError(f"{Path(root) / MANIFEST}: missing, but {evidence} says QUADS wrote {root}; its files "
+                              "cannot be verified -- write the checkpoint again")
 
 
 def verify_manifest(root, *, only=None) -> bool:
@@ -75,7 +126,7 @@ def verify_manifest(root, *, only=None) -> bool:
     for rel in names:
         if rel not in files:
             raise CheckpointError(f"{root / rel}: not listed in {root / MANIFEST}")
-        p = root / rel
+        p = inside(root, rel, f"{MANIFEST} entry")
         if not p.is_file():
             raise CheckpointError(f"{p}: missing (listed in {MANIFEST})")
         if p.stat().st_size != files[rel]["bytes"]:

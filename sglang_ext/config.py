@@ -7,7 +7,9 @@ Exclusion patterns follow ModelOpt's rules (it subclasses SGLang's `ModelOptQuan
 `from_config` is where SGLang hands the checkpoint to the method: a bad field is a
 `CheckpointError` naming the file and field, and when SGLang passes the model's `hf_config`
 (the config.json path, which QUADS exports use) and the model directory holds
-`quads_manifest.json`, every file is verified against it once, before any layer is built.
+`quads_manifest.json`, every file is verified against it once, before any layer is built; a
+weight or index file it does not list, or one that resolves outside the directory, is refused,
+and a checkpoint our exporter wrote (``producer``) whose manifest is missing is refused.
 With metadata only in hf_quant_config.json SGLang passes no model path, so no manifest check.
 """
 
@@ -24,7 +26,7 @@ from sglang.srt.layers.quantization.modelopt_quant import ModelOptQuantConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
-from quads_megatron.integrity import MANIFEST, verify_manifest
+from quads_megatron.integrity import MANIFEST, PRODUCER, check_loader_reads, require_manifest, verify_manifest
 from quads_megatron.plan.rollout_schema import (QUANT_METHOD, RolloutQuantConfig, is_modelopt_nvfp4,
                                                 parse_quantization_config)
 
@@ -72,9 +74,14 @@ class QuadsConfig(ModelOptQuantConfig):
             origin = "hf_quant_config.json"
         else:
             origin = f"{os.path.join(model_dir, 'config.json')} quantization_config"
+        producer = config.get("producer")
         rollout = parse_quantization_config(config, origin=origin)
-        if model_dir is not None and verify_manifest(model_dir):
-            logger.info("quads: %s verified against %s", model_dir, MANIFEST)
+        if model_dir is not None:
+            check_loader_reads(model_dir)
+            if verify_manifest(model_dir):
+                logger.info("quads: %s verified against %s", model_dir, MANIFEST)
+            elif isinstance(producer, dict) and producer.get("name") == PRODUCER:
+                require_manifest(model_dir, f"{origin}.producer")
         logger.info("quads: %s", rollout.to_dict())
         return cls(rollout, packed)
 

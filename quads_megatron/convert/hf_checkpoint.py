@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quads_megatron.errors import CheckpointError, NonFiniteError
-from quads_megatron.integrity import verify_manifest
+from quads_megatron.integrity import PRODUCER, checkpoint_file, read_manifest, require_manifest, verify_manifest
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,26 +58,91 @@ def write_json(path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+QUADS_SIDE_FILES = ("quads_recipe.json", "hf_quant_config.json")  # written by the converter / exporter only
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+TOKENIZER_CORE = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")  # one makes a tokenizer
+
+
+def check_tokenizer_dir(path, flag: str = "--tokenizer-dir") -> Path:
+    """``path`` as a directory holding a tokenizer (one of ``TOKENIZER_CORE``); ConfigError naming ``flag``."""
+    from quads_megatron.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: {'not a directory' if path.exists() else 'no such directory'}")
+    if not any((path / f).is_file() or (path / f).is_symlink() for f in TOKENIZER_CORE):
+        raise ConfigError(f"{flag} {path}: holds no tokenizer (none of {', '.join(TOKENIZER_CORE)})")
+    return path
+
+
+def side_files(src_dir, names=TOKENIZER_FILES) -> list:
+    """The files of ``names`` that ``src_dir`` holds, as paths checked for reading: each must resolve inside
+    ``src_dir`` (a symlink to elsewhere is refused) and, when ``src_dir`` has a manifest, be listed in it with
+    a matching SHA-256.  Call it before the work starts; ``copy_side_files`` checks again when copying."""
+    src, paths = Path(src_dir), []
+    listed = read_manifest(src)
+    for name in names:
+        if (src / name).is_file() or (src / name).is_symlink():
+            paths.append(checkpoint_file(src, name, listed, "side file"))
+            if listed is not None:
+                verify_manifest(src, only=[name])
+    return paths
+
+
+def copy_side_files(src_dir, dst_dir, names=TOKENIZER_FILES) -> list:
+    """Copy the files of ``names`` that ``src_dir`` holds into ``dst_dir`` (checked by ``side_files``)."""
+    copied = []
+    for path in side_files(src_dir, names):
+        shutil.copyfile(path, Path(dst_dir) / path.name)
+        copied.append(path.name)
+    return copied
+
+
 class HFCheckpoint:
     """Read-only view of ``config.json`` + safetensors (single file or indexed shards) of one directory.
 
     Opening verifies ``quads_manifest.json`` when there is one (a flipped byte is named) and parses every
     shard header, so a truncated or corrupt file, an index entry whose file or tensor is missing, or a
     tensor stored in two files fails here with the file named.  ``get`` refuses NaN/Inf by name.
+    Every file it opens must resolve inside the directory and, with a manifest, be listed in it
+    (``integrity.checkpoint_file``); a directory we wrote (``quads_evidence``) without its manifest is refused.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, being_written: bool = False):
+        """``being_written``: the temporary directory this process is writing (its manifest comes last)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"Hugging Face checkpoint directory not found: {self.path}")
-        verify_manifest(self.path)
-        self.config = read_json(self.path / "config.json", "config.json")
+        verified = verify_manifest(self.path)
+        self.listed = read_manifest(self.path) if verified else None
+        self.config = read_json(self.file("config.json"), "config.json")
         self._handles = {}
         self.weight_map = self._load_weight_map()
+        if not verified and not being_written:  # someone else's checkpoint, or ours with its manifest deleted
+            require_manifest(self.path, self.quads_evidence())
+
+    def file(self, rel: str, what: str = "file") -> Path:
+        """``path/rel``, refused unless it resolves inside the checkpoint and (with a manifest) is listed."""
+        return checkpoint_file(self.path, rel, self.listed, what)
+
+    def quads_evidence(self) -> str | None:
+        """What says we wrote this directory: our side files, our producer in a quantization config or in
+        the safetensors metadata; None for someone else's checkpoint."""
+        for f in QUADS_SIDE_FILES:
+            if (self.path / f).is_file():
+                return str(self.path / f)
+        qc = self.config.get("quantization_config")
+        if isinstance(qc, dict) and isinstance(qc.get("producer"), dict) and qc["producer"].get("name") == PRODUCER:
+            return f"{self.path / 'config.json'} (quantization_config.producer)"
+        for filename in sorted(set(self.weight_map.values())):
+            if (self._open(filename).metadata() or {}).get("producer") == PRODUCER:
+                return f"{self.path / filename} (safetensors metadata producer={PRODUCER})"
+        return None
 
     def _open(self, filename: str):
         if filename not in self._handles:
-            file = self.path / filename
+            file = self.file(filename, "safetensors file")
             if not file.is_file():
                 raise CheckpointError(f"{self.path}: safetensors file {filename} is missing")
             try:
@@ -87,10 +153,13 @@ class HFCheckpoint:
 
     def _load_weight_map(self) -> dict:
         index = self.path / INDEX_FILE
-        if index.is_file():
-            listed = read_json(index, INDEX_FILE).get("weight_map")
+        if index.is_file() or index.is_symlink():
+            listed = read_json(self.file(INDEX_FILE), INDEX_FILE).get("weight_map")
             if not isinstance(listed, dict) or not listed:
                 raise CheckpointError(f"{index}: has no 'weight_map'")
+            bad = next((f for f in listed.values() if not isinstance(f, str)), None)
+            if bad is not None:
+                raise CheckpointError(f"{index}: weight_map values must be file names, found {bad!r}")
             for filename in sorted(set(listed.values())):
                 present = set(self._open(filename).keys())
                 for name in (n for n, f in listed.items() if f == filename):
@@ -191,7 +260,7 @@ class ShardedSafetensorsWriter:
         self.out_dir = Path(out_dir)
         self.max_shard_bytes = max_shard_bytes
         self.dry_run = dry_run
-        self.metadata = {"format": "pt", **(metadata or {})}
+        self.metadata = {"format": "pt", "producer": PRODUCER, **(metadata or {})}
         self.listing = []          # (name, shape, dtype, nbytes) in write order
         self._buffer, self._buffer_bytes = {}, 0
         self._shards = []          # temporary shard names, renamed in close()

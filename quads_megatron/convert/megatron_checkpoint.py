@@ -22,8 +22,8 @@ from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.megatron_params import padded_vocab_size
 from quads_megatron.output_dir import check_output_path, commit_temp_dir, make_temp_dir, remove_temp_dir
 from quads_megatron.errors import CheckpointError, Interrupted
-from quads_megatron.integrity import verify_manifest, write_manifest
-from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, resolve_checkpoint_dir
+from quads_megatron.integrity import PRODUCER, require_manifest, verify_manifest, write_manifest
+from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, PRODUCER_KEY, quads_evidence, resolve_checkpoint_dir
 from quads_megatron.megatron.dist_writer import no_orphan_writers
 from quads_megatron.megatron.safe_load import COMMON_PT, DCP_METADATA, load_common_state, read_dcp_metadata
 
@@ -99,7 +99,8 @@ def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = F
     out_dir = check_output_path(out_dir, force=force, inputs=inputs)
     tmp = _broadcast_path(make_temp_dir(out_dir) if _rank() == 0 else None)
     try:
-        state = {"model": model.sharded_state_dict(), HF_CONFIG_KEY: json.dumps(hf_config, sort_keys=True)}
+        state = {"model": model.sharded_state_dict(), HF_CONFIG_KEY: json.dumps(hf_config, sort_keys=True),
+                 PRODUCER_KEY: PRODUCER}
         with no_orphan_writers():
             dist_checkpointing.save(state, str(tmp))
         if dist.is_initialized():
@@ -131,16 +132,19 @@ class MegatronCheckpoint:
 
     Opening verifies ``quads_manifest.json`` (when there is one: a flipped byte in a ``.distcp``
     shard is named), reads ``.metadata`` (global tensor shapes, shard files), checks every shard
-    file exists and is long enough for what ``.metadata`` puts in it, and reads ``common.pt``.
+    file exists and is long enough for what ``.metadata`` puts in it, and reads ``common.pt``; a
+    checkpoint of ours (``quads_*`` common keys) whose manifest is missing is refused.
     """
 
     def __init__(self, path):
         self.load_dir = Path(path)
         self.path = resolve_checkpoint_dir(path)
-        verify_manifest(self.path)
+        verified = verify_manifest(self.path)
         self.shapes, self.files = self._read_dcp_metadata()
         self._check_shards()
         self.common = self._read_common()
+        if not verified:  # someone else's checkpoint, or ours with its manifest deleted
+            require_manifest(self.path, quads_evidence(self.path, self.common))
 
     def _read_dcp_metadata(self) -> tuple:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -7,7 +7,6 @@ config before the temporary directory is renamed onto ``--save-dir``.
 """
 
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,14 +14,13 @@ import torch.distributed as dist
 
 from quads_megatron.convert import cli
 from quads_megatron.models import qwen3_moe
-from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite,
-                                                  format_listing, read_json, write_json)
+from quads_megatron.convert.hf_checkpoint import (TOKENIZER_FILES, HFCheckpoint, ShardedSafetensorsWriter,
+                                                  check_finite, check_tokenizer_dir, copy_side_files, format_listing,
+                                                  read_json, side_files, write_json)
 from quads_megatron.output_dir import atomic_output_dir, check_output_path
 from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.megatron.checkpoint import RECIPE_KEY   # the trainer's common-state key
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 RECIPE_FILE = "quads_recipe.json"
 
 
@@ -92,10 +90,8 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
         if recipe_json:
             (tmp / RECIPE_FILE).write_text(recipe_json + "\n")
         if tokenizer_dir:
-            for f in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / f).is_file():
-                    shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
-        with HFCheckpoint(tmp) as written:
+            copy_side_files(tokenizer_dir, tmp, TOKENIZER_FILES)
+        with HFCheckpoint(tmp, being_written=True) as written:
             written.validate(expected, dtype=dtype)
     return Path(save_dir)
 
@@ -110,11 +106,15 @@ def main(argv=None):
     from quads_megatron.megatron.parallel import initialize_distributed
 
     tokenizer_dir = args.tokenizer_dir
-    if tokenizer_dir is None and hf_side_dir(args.load_dir) is not None:
+    if tokenizer_dir is not None:
+        check_tokenizer_dir(tokenizer_dir)
+    elif hf_side_dir(args.load_dir) is not None:
         tokenizer_dir = hf_side_dir(args.load_dir)
     inputs = [("--load-dir", args.load_dir), ("--hf-config", args.hf_config), ("--tokenizer-dir", tokenizer_dir)]
     if not args.dry_run:
         check_output_path(args.save_dir, force=args.force, inputs=inputs)
+    if tokenizer_dir is not None:
+        side_files(tokenizer_dir, TOKENIZER_FILES)   # a side file leading out of its directory: refused now
     # every file and the config's shapes are checked before a model is built
     ckpt = MegatronCheckpoint(args.load_dir)
     hf_config, source = load_hf_config(args, ckpt)

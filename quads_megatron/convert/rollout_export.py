@@ -13,7 +13,6 @@ so dequantizing a weight gives exactly the trainer's ``fake_quantize`` of it.
 """
 
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
@@ -23,11 +22,13 @@ from quads_megatron import nvfp4, vocab
 from quads_megatron.convert import cli
 from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
-from quads_megatron.convert.hf_checkpoint import (HFCheckpoint, ShardedSafetensorsWriter, check_finite, format_listing,
+from quads_megatron.convert.hf_checkpoint import (TOKENIZER_FILES, HFCheckpoint, ShardedSafetensorsWriter,
+                                                  check_finite, check_tokenizer_dir, copy_side_files, format_listing,
+                                                  side_files,
                                                   write_json)
 from quads_megatron.device import resolve_device
 from quads_megatron.errors import CheckpointError, ConfigError
-from quads_megatron.convert.megatron_to_hf import RECIPE_FILE, TOKENIZER_FILES
+from quads_megatron.convert.megatron_to_hf import RECIPE_FILE
 from quads_megatron.output_dir import atomic_output_dir, check_output_path
 from quads_megatron.plan import QuantPlan, quantize_scale_groups
 from quads_megatron.plan.named_params import modelopt_names
@@ -221,6 +222,8 @@ def check_args(args) -> list:
         raise ConfigError(f"--rac-channels {args.rac_channels}: must be >= 0")
     resolve_device(args.device, what="--device")
     cli.parse_size(args.max_shard_size)
+    if args.tokenizer_dir is not None:
+        check_tokenizer_dir(args.tokenizer_dir)
     return [("--load-dir", args.load_dir), ("--tokenizer-dir", args.tokenizer_dir),
             ("--calib-data", args.calib_data), ("--recipe", args.recipe)]
 
@@ -243,6 +246,7 @@ def export_rollout(args) -> Path | None:
     if not args.dry_run:
         check_output_path(args.save_dir, force=args.force, inputs=inputs)
     ckpt = HFCheckpoint(args.load_dir)
+    side_files(args.load_dir, TOKENIZER_FILES)   # a side file leading out of the checkpoint: refused now
     source = str(ckpt.path / "config.json")
     dims = qwen3_moe.dims_from_hf_config(ckpt.config, source)
     qwen3_moe.hf_top_k(ckpt.config, source)
@@ -278,10 +282,8 @@ def export_rollout(args) -> Path | None:
         writer.close()
         write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qc})
         write_json(tmp / "hf_quant_config.json", summary)
-        for f in TOKENIZER_FILES:
-            if (Path(args.load_dir) / f).is_file():
-                shutil.copy2(Path(args.load_dir) / f, tmp / f)
-        with HFCheckpoint(tmp) as written:
+        copy_side_files(args.load_dir, tmp, TOKENIZER_FILES)
+        with HFCheckpoint(tmp, being_written=True) as written:
             written.validate(shapes, dtypes=dtypes, what="the rollout format")
     return Path(args.save_dir)
 
@@ -300,7 +302,9 @@ def run_calibration(args, dims, plan):
         prompts = random_prompts(dims.vocab_size, num_samples=args.calib_size, seq_len=args.calib_seq_len,
                                  seed=args.seed)
         source = f"random(seed={args.seed})"
-    model = Qwen3MoeForCausalLM.from_pretrained(args.load_dir, dtype=torch.bfloat16).to(args.device)
+    # safetensors only (no pickled *.bin); HFCheckpoint already checked every file it will read
+    model = Qwen3MoeForCausalLM.from_pretrained(args.load_dir, dtype=torch.bfloat16,
+                                                use_safetensors=True).to(args.device)
     attention = any(t.quantized for t in plan if t.scope is Scope.ATTENTION)
     calib = calibrate(model, prompts, rac_stats=plan.rac_channels > 0,
                       static_scaling=plan.activation_scaling is ActivationScaling.STATIC,

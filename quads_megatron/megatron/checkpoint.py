@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from quads_megatron.output_dir import commit_temp_dir
 from quads_megatron.errors import CheckpointError
-from quads_megatron.integrity import read_manifest, verify_manifest, write_manifest
+from quads_megatron.integrity import PRODUCER, read_manifest, require_manifest, verify_manifest, write_manifest
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
 from quads_megatron.megatron.cpu import cuda_to_cpu
 from quads_megatron.megatron.dist_writer import no_orphan_writers
@@ -47,7 +47,8 @@ RECIPE_KEY = "quads_recipe"
 HF_CONFIG_KEY = "hf_config"     # config.json as JSON text (written by the converters and the GRPO loop)
 META_KEY = "quads_checkpoint"   # layout, optimizer kind/keys, whether per-rank state was saved
 RANK_STATE_KEY = "quads_rank_state"
-_RESERVED = {"model", "optimizer", RECIPE_KEY, META_KEY, RANK_STATE_KEY}
+PRODUCER_KEY = "quads_producer"  # integrity.PRODUCER: marks a checkpoint we wrote (its manifest is then required)
+_RESERVED = {"model", "optimizer", RECIPE_KEY, META_KEY, RANK_STATE_KEY, PRODUCER_KEY}
 # The distributed optimizer's default sharding fails on these versions
 # ("flattened_range is not supported"); dp_reshardable works.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -187,7 +188,7 @@ def _write(model, ckpt_dir, optimizer=None, metadata=None, common=None, rank_sta
     meta = {"layout": _layout(), "optimizer": None}
     with cuda_to_cpu():
         state = {"model": gpt.sharded_state_dict(), RECIPE_KEY: recipe.to_json() if recipe is not None else None,
-                 **common}
+                 PRODUCER_KEY: PRODUCER, **common}
         if isinstance(optimizer, torch.optim.Optimizer):
             keys, steps = _torch_state_keys(optimizer), _torch_steps(optimizer)
             meta["optimizer"] = {"kind": "torch", "keys": keys,
@@ -283,14 +284,17 @@ def resolve_checkpoint_dir(path) -> Path:
 
 def verify_checkpoint(ckpt_dir) -> None:
     """Check the manifest of a checkpoint directory (sizes, SHA-256) before anything reads it; collective.
+    A checkpoint without one is accepted only when nothing in it says we wrote it (``quads_evidence``).
 
     Under torch.distributed each rank hashes its share of the files and every rank raises the
     same CheckpointError, so no rank is left waiting in a collective.
     """
     ckpt_dir = Path(ckpt_dir)
     if not dist.is_initialized() or _world_size() == 1:
-        verify_manifest(ckpt_dir)
+        verified = verify_manifest(ckpt_dir)
         check_files(ckpt_dir)
+        if not verified:  # someone else's checkpoint, or ours with its manifest deleted
+            require_manifest(ckpt_dir, quads_evidence(ckpt_dir, _load_common(ckpt_dir)))
         return
     error = None
     try:
@@ -298,6 +302,8 @@ def verify_checkpoint(ckpt_dir) -> None:
         if files is not None:
             verify_manifest(ckpt_dir, only=sorted(files)[_rank()::_world_size()])
         check_files(ckpt_dir)
+        if files is None:
+            require_manifest(ckpt_dir, quads_evidence(ckpt_dir, _load_common(ckpt_dir)))
     except CheckpointError as e:
         error = str(e)
     errors = [None] * _world_size()
@@ -305,6 +311,13 @@ def verify_checkpoint(ckpt_dir) -> None:
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise CheckpointError(first)
+
+
+def quads_evidence(ckpt_dir, common: dict) -> str | None:
+    """What in a checkpoint's common state says we wrote it (keys ``quads_*``: producer, recipe, loop
+    metadata), or None for someone else's checkpoint."""
+    keys = sorted(k for k in common if isinstance(k, str) and k.startswith("quads_"))
+    return f"{Path(ckpt_dir) / 'common.pt'} (keys {', '.join(keys)})" if keys else None
 
 
 def _dcp_metadata(ckpt_dir: Path):
@@ -398,8 +411,16 @@ def _load_common(ckpt_dir) -> dict:
 
 
 def load_common_state(ckpt_dir) -> dict:
-    """The non-sharded (rank-0) objects of a checkpoint: ``quads_recipe``, ``hf_config``, ``common=`` extras."""
-    return _load_common(resolve_checkpoint_dir(ckpt_dir))
+    """The non-sharded (rank-0) objects of a checkpoint: ``quads_recipe``, ``hf_config``, ``common=`` extras;
+    ``common.pt`` is checked against the manifest first, and a checkpoint of ours without one is refused."""
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    files = read_manifest(ckpt_dir)
+    if files is not None:
+        verify_manifest(ckpt_dir, only=["common.pt"])
+    common = _load_common(ckpt_dir)
+    if files is None:
+        require_manifest(ckpt_dir, quads_evidence(ckpt_dir, common))
+    return common
 
 
 def load_recipe(ckpt_dir):

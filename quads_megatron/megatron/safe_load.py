@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import pickle
 import threading
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from quads_megatron.errors import CheckpointError
+from quads_megatron.integrity import inside
 
 DCP_METADATA = ".metadata"
 COMMON_PT = "common.pt"
@@ -73,15 +73,6 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise _refused(self._path, f"persistent id {str(pid)[:60]!r}", "reference")
 
 
-def _inside(root: Path, rel) -> bool:
-    """Whether ``rel`` (a relative path read from a file) resolves, symlinks followed, inside ``root``."""
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\0" in rel:
-        return False
-    real_root = os.path.realpath(root)
-    target = os.path.realpath(os.path.join(real_root, rel))
-    return os.path.commonpath([real_root, target]) == real_root and target != real_root
-
-
 def read_dcp_metadata(ckpt_dir):
     """torch DCP's ``Metadata`` of ``ckpt_dir/.metadata``, unpickled with ``RestrictedUnpickler``; every shard
     file it names must lie inside ``ckpt_dir``.  CheckpointError naming the file otherwise."""
@@ -102,10 +93,8 @@ def read_dcp_metadata(ckpt_dir):
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) or \
             not isinstance(md.storage_data, dict):
         raise CheckpointError(f"{path}: not torch.distributed.checkpoint metadata ({type(md).__name__})")
-    for info in md.storage_data.values():
-        rel = getattr(info, "relative_path", None)
-        if not _inside(path.parent, rel):
-            raise CheckpointError(f"{path}: names shard file {rel!r}, which is not inside {path.parent}; refused")
+    for rel in sorted({getattr(info, "relative_path", None) for info in md.storage_data.values()}, key=str):
+        inside(path.parent, rel, f"shard file named in {DCP_METADATA}")
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
     return md

@@ -289,6 +289,20 @@ def test_resume_refuses_a_pickled_payload_before_running_it(where, ck, tmp_path,
     assert _hashes(ck) == before and mckpt.latest_iteration(ck) == 2
 
 
+def test_resume_from_our_iteration_without_its_manifest_is_refused(ck, tmp_path, capsys):
+    """Deleting the manifest does not turn verification off: the flip it would have named is not loaded."""
+    (ck / "iter_0000002" / "quads_manifest.json").unlink()
+    shard = sorted((ck / "iter_0000002").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = _hashes(ck)
+    assert run(_flags(tmp_path, "--train-iters", "3", "--save", str(ck), "--resume")) == 2
+    err = _one_line(capsys)
+    assert f"{ck / 'iter_0000002' / 'quads_manifest.json'}: missing, but" in err, err
+    assert _hashes(ck) == before
+
+
 # ------------------------------------------------------------------ NaN / Inf stop the loop before the save
 
 def _nan_at_call(n: int):

@@ -438,3 +438,37 @@ def test_config_json_field_error_names_the_file(runtime, tmp_path):
     d = _model_dir(tmp_path, _quads(rac_channels=20))
     with pytest.raises(CheckpointError, match=rf"^{d / 'config.json'} quantization_config\.rac_channels: .*got 20"):
         _sglang_quant_config(d)
+
+
+# --- issue 26: the manifest is the list of what may be read; ours without it is refused ----
+PRODUCED = {"name": "quads-megatron", "version": "0.1.0"}
+
+
+def test_our_export_without_its_manifest_is_refused(runtime, tmp_path):
+    d = _model_dir(tmp_path, {**_quads(), "producer": PRODUCED})
+    (d / "quads_manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"{d / 'quads_manifest.json'}: missing, but .*producer says QUADS"):
+        _sglang_quant_config(d)
+
+
+def test_someone_elses_checkpoint_without_a_manifest_loads(runtime, tmp_path):
+    d = _model_dir(tmp_path, _quads())
+    (d / "quads_manifest.json").unlink()
+    assert _sglang_quant_config(d).rollout.precision == "w4a4_rac"
+
+
+def test_weight_file_not_listed_in_the_manifest_is_refused(runtime, tmp_path):
+    d = _model_dir(tmp_path, _quads())
+    (d / "model-extra.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError, match=rf"{d / 'model-extra.safetensors'}: not listed in"):
+        _sglang_quant_config(d)
+
+
+def test_weight_file_symlinked_out_of_the_directory_is_refused(runtime, tmp_path):
+    d = _model_dir(tmp_path, _quads())
+    (d / "quads_manifest.json").unlink()
+    (tmp_path / "elsewhere.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match=rf"{d / 'model.safetensors'}: resolves to .*outside"):
+        _sglang_quant_config(d)

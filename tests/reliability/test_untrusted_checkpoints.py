@@ -10,6 +10,7 @@ output written.  A control case shows each payload does run under plain ``pickle
 
 import builtins
 import io
+import json
 import os
 import pickle
 import re
@@ -146,8 +147,8 @@ def test_converter_refuses_a_shard_outside_the_checkpoint(rel, mg, tmp_path, cap
     shutil.copy(next(src.glob("*.distcp")), tmp_path / "outside.distcp")
     point_shard_at(src, rel)
     write_manifest(src)
-    line = _refused_by_converter(src, tmp_path, capsys, "not inside")
-    assert str(src / ".metadata") in line and rel in line
+    line = _refused_by_converter(src, tmp_path, capsys, "outside the checkpoint|not a path relative")
+    assert rel in line
 
 
 def test_converter_refuses_a_shard_that_is_a_symlink_out_of_the_checkpoint(mg, tmp_path, capsys):
@@ -156,7 +157,7 @@ def test_converter_refuses_a_shard_that_is_a_symlink_out_of_the_checkpoint(mg, t
     shard = next(src.glob("*.distcp"))
     shutil.move(shard, tmp_path / "outside.distcp")
     shard.symlink_to(tmp_path / "outside.distcp")
-    _refused_by_converter(src, tmp_path, capsys, re.escape(shard.name) + ".*not inside")
+    _refused_by_converter(src, tmp_path, capsys, re.escape(str(shard)) + ".*outside the checkpoint")
 
 
 def test_untampered_checkpoint_still_converts(mg, tmp_path):
@@ -214,3 +215,184 @@ def test_weights_only_override_env_does_not_reopen_common_pt(saved, tmp_path, mo
     with pytest.raises(CheckpointError, match="common.pt"):
         mckpt.load_common_state(root)
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- HF checkpoints: nothing outside the directory is read
+
+from quads_megatron.convert import rollout_export  # noqa: E402
+from quads_megatron.convert.hf_checkpoint import INDEX_FILE, SINGLE_FILE  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf(mg):
+    return mg.parent / "hf"  # save_tiny_hf's output (someone else's checkpoint: no manifest)
+
+
+@pytest.fixture(scope="module")
+def hf_ours(mg):
+    """quads-convert-megatron-to-hf of ``mg`` (with quads_manifest.json)."""
+    out = mg.parent / "hf_ours"
+    assert cli.run(megatron_to_hf.main, ["--load-dir", str(mg), "--save-dir", str(out), "--no-progress"]) == 0
+    return out
+
+
+def _index(d: Path, target: str) -> None:
+    """An HF index mapping every tensor of ``d``'s model.safetensors to file ``target``."""
+    from safetensors import safe_open
+
+    with safe_open(str(d / SINGLE_FILE), framework="pt") as f:
+        names = list(f.keys())
+    (d / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {n: target for n in names}}))
+
+
+def _refused(main, argv, capsys, match: str, out: Path) -> str:
+    capsys.readouterr()
+    rc = cli.run(main, argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2, lines
+    assert len(lines) == 1, lines
+    assert re.search(match, lines[0]), lines[0]
+    assert not out.exists()
+    return lines[0]
+
+
+def _to_megatron(src, out):
+    return hf_to_megatron.main, ["--load-dir", str(src), "--save-dir", str(out), "--no-progress"]
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(where, hf, tmp_path, capsys):
+    src = shutil.copytree(hf, tmp_path / "src")
+    outside = tmp_path / "outside.safetensors"
+    _index(src, "../outside.safetensors" if where == "parent" else str(outside))
+    shutil.move(src / SINGLE_FILE, outside)
+    line = _refused(*_to_megatron(src, tmp_path / "out"), capsys, "outside the checkpoint|not a path relative",
+                    tmp_path / "out")
+    assert "outside.safetensors" in line
+
+
+def test_extra_unlisted_index_next_to_a_manifest_is_refused(hf_ours, tmp_path, capsys):
+    src = shutil.copytree(hf_ours, tmp_path / "src")
+    shutil.copy(src / SINGLE_FILE, src / "model-extra.safetensors")
+    _index(src, "model-extra.safetensors")
+    line = _refused(*_to_megatron(src, tmp_path / "out"), capsys, "not listed in .*quads_manifest.json",
+                    tmp_path / "out")
+    assert INDEX_FILE in line
+
+
+def test_extra_unlisted_safetensors_next_to_a_manifest_is_refused(hf_ours, tmp_path, capsys):
+    src = shutil.copytree(hf_ours, tmp_path / "src")
+    shutil.copy(src / SINGLE_FILE, src / "zz-extra.safetensors")
+    line = _refused(*_to_megatron(src, tmp_path / "out"), capsys, "not listed in .*quads_manifest.json",
+                    tmp_path / "out")
+    assert "zz-extra.safetensors" in line
+
+
+def test_safetensors_symlink_out_of_a_foreign_checkpoint_is_refused(hf, tmp_path, capsys):
+    src = shutil.copytree(hf, tmp_path / "src")
+    shutil.move(src / SINGLE_FILE, tmp_path / "elsewhere.safetensors")
+    (src / SINGLE_FILE).symlink_to(tmp_path / "elsewhere.safetensors")
+    _refused(*_to_megatron(src, tmp_path / "out"), capsys, re.escape(str(src / SINGLE_FILE)) + ".*outside",
+             tmp_path / "out")
+
+
+def _secret(tmp_path) -> Path:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the output\n")
+    return secret
+
+
+def test_exporter_refuses_a_tokenizer_symlink_out_of_the_checkpoint(hf, tmp_path, capsys):
+    src = shutil.copytree(hf, tmp_path / "src")
+    (src / "tokenizer.json").symlink_to(_secret(tmp_path))
+    out = tmp_path / "out"
+    line = _refused(rollout_export.main, ["--load-dir", str(src), "--save-dir", str(out), "--no-progress",
+                                          "--calib-size", "2", "--calib-seq-len", "8"], capsys,
+                    re.escape(str(src / "tokenizer.json")) + ".*outside", out)
+    assert "secret.txt" in line
+
+
+def test_converter_refuses_a_tokenizer_symlink_out_of_the_tokenizer_dir(mg, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text("{}")
+    (tok / "tokenizer.json").symlink_to(_secret(tmp_path))
+    out = tmp_path / "out"
+    _refused(megatron_to_hf.main, ["--load-dir", str(mg), "--save-dir", str(out), "--no-progress",
+                                   "--tokenizer-dir", str(tok)], capsys,
+             re.escape(str(tok / "tokenizer.json")) + ".*outside", out)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "a-file"])
+def test_tokenizer_dir_that_holds_no_tokenizer_is_named(case, mg, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    if case == "empty":
+        tok.mkdir()
+    elif case == "a-file":
+        tok.write_text("x")
+    out = tmp_path / "out"
+    _refused(megatron_to_hf.main, ["--load-dir", str(mg), "--save-dir", str(out), "--no-progress",
+                                   "--tokenizer-dir", str(tok)], capsys, rf"--tokenizer-dir {re.escape(str(tok))}:",
+             out)
+
+
+def test_tokenizer_files_inside_the_directory_are_copied(mg, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    out = tmp_path / "out"
+    assert cli.run(megatron_to_hf.main, ["--load-dir", str(mg), "--save-dir", str(out), "--no-progress",
+                                         "--tokenizer-dir", str(tok)]) == 0
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
+
+
+# ---------------------------------------------------------------- ours, with the manifest deleted: an error, not a pass
+
+def test_our_hf_checkpoint_without_its_manifest_is_refused(hf_ours, tmp_path, capsys):
+    src = shutil.copytree(hf_ours, tmp_path / "src")
+    (src / MANIFEST).unlink()
+    line = _refused(*_to_megatron(src, tmp_path / "out"), capsys, "quads_manifest.json: missing, but .* says QUADS",
+                    tmp_path / "out")
+    assert str(src) in line
+
+
+def test_our_megatron_checkpoint_without_its_manifest_is_refused(mg, tmp_path, capsys):
+    src = shutil.copytree(mg, tmp_path / "src")
+    (src / MANIFEST).unlink()
+    _refused(megatron_to_hf.main, ["--load-dir", str(src), "--save-dir", str(tmp_path / "out"), "--no-progress"],
+             capsys, r"quads_manifest.json: missing, but .*common.pt \(keys .*quads_producer", tmp_path / "out")
+
+
+def test_our_iteration_without_its_manifest_is_refused_by_the_loader(saved, tmp_path):
+    root = shutil.copytree(saved, tmp_path / "save")
+    (root / ITER / MANIFEST).unlink()
+    shard = next((root / ITER).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the flip the deleted manifest would have named
+    shard.write_bytes(bytes(data))
+    model = _model()
+    with pytest.raises(CheckpointError, match="quads_manifest.json: missing, but"):
+        mckpt.load_iteration(model, root, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(CheckpointError, match="quads_manifest.json: missing, but"):
+        mckpt.load_common_state(root)
+
+
+def test_a_foreign_hf_checkpoint_without_a_manifest_still_converts(hf, tmp_path):
+    assert not (hf / MANIFEST).exists()
+    assert cli.run(hf_to_megatron.main, ["--load-dir", str(hf), "--save-dir", str(tmp_path / "out"),
+                                         "--no-progress"]) == 0
+
+
+def test_a_manifest_entry_outside_the_directory_is_refused(tmp_path):
+    from quads_megatron.integrity import verify_manifest
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "a.bin").write_bytes(b"abc")
+    write_manifest(root)
+    doc = json.loads((root / MANIFEST).read_text())
+    doc["files"]["../secret.txt"] = {"sha256": "0" * 64, "bytes": 3}
+    (root / MANIFEST).write_text(json.dumps(doc))
+    _secret(tmp_path)
+    with pytest.raises(CheckpointError, match=r"secret\.txt: resolves to .*outside the checkpoint"):
+        verify_manifest(root)
