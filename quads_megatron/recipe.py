@@ -151,3 +151,55 @@ class QuadsRecipe:
             return cls.from_dict(doc)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"recipe file {path}: {e}") from None
+
+
+# ---------------------------------------------------------------- the one CLI spelling of a recipe
+
+def add_recipe_args(parser, *, train: bool = True, rollout_choices=None, scope: bool = True,
+                    recipe_help: str = "QuadsRecipe JSON file (default recipe otherwise)") -> None:
+    """``--quads-recipe FILE`` and the flags that override its fields, each spelled as its field:
+    ``--train-precision`` (``train=True``), ``--rollout-precision``, ``--activation-scaling``,
+    ``--rac-channels`` and ``--quads-scope`` (``scope=True``); every default None = the recipe's."""
+    parser.add_argument("--quads-recipe", default=None, help=recipe_help)
+    if train:
+        parser.add_argument("--train-precision", choices=vocab.precision_choices(train=True), default=None,
+                            help="trainer precision of the quantized weights: bf16, aqat (= w4a16: NVFP4 "
+                                 "fake-quantized weights, BF16 activations; the default) or the symmetric w4a4 baseline")
+    parser.add_argument("--rollout-precision", choices=rollout_choices or vocab.precision_choices(), default=None,
+                        help="rollout GEMMs: bf16, w4a16 (NVFP4 weights only), w4a4, w4a4_rac (= quads: W4A4 + RAC; "
+                             "the default)")
+    parser.add_argument("--activation-scaling", choices=[s.value for s in ActivationScaling], default=None,
+                        help="W4A4 activation scales (default: the recipe's, per_token)")
+    parser.add_argument("--rac-channels", type=int, default=None,
+                        help="RAC compensation channels per GEMM (multiple of 16; default: the recipe's, 16)")
+    if scope:
+        parser.add_argument("--quads-scope", nargs="+", choices=[s.value for s in Scope], default=None,
+                            help="weights to quantize in trainer and rollout alike (default: the recipe's, "
+                                 "routed_experts)")
+
+
+def recipe_from_args(args, *, base: "QuadsRecipe | None" = None, default_file=None) -> "QuadsRecipe":
+    """The recipe a command line asks for: ``--quads-recipe`` (else ``base``, else ``default_file`` when it
+    exists, else ``QuadsRecipe()``) with the flags of ``add_recipe_args`` that were given applied.
+    A missing or invalid file or a flag the recipe refuses is a ConfigError naming it."""
+    import os
+
+    from quads_megatron.errors import ConfigError
+
+    path = getattr(args, "quads_recipe", None)
+    if path is None and base is None and default_file is not None and os.path.isfile(default_file):
+        path = default_file
+    recipe = QuadsRecipe.from_file(path) if path is not None else (base if base is not None else QuadsRecipe())
+    flags = {"train_precision": "--train-precision", "rollout_precision": "--rollout-precision"}
+    changes = {}
+    try:
+        for field, flag in flags.items():
+            value = getattr(args, field, None)
+            changes[field] = value and vocab.parse_precision(value, flag)
+        scope = getattr(args, "quads_scope", None)
+        return recipe.replace(**changes, activation_scaling=getattr(args, "activation_scaling", None),
+                              rac_channels=getattr(args, "rac_channels", None),
+                              scope=tuple(scope) if scope else None)
+    except ValueError as e:
+        where = f"{path} with the precision flags" if path is not None else "precision flags"
+        raise ConfigError(f"{where}: {e}") from None

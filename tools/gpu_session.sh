@@ -31,7 +31,7 @@ for s in "$@"; do
       stage pretrain
       if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
       $PY -m quads_megatron.apps.pretrain --preset moe-240m --train-iters "$PRETRAIN_ITERS" --micro-batch-size 64 \
-          --seq-length 256 --save "$CKPT" --force --no-tqdm 2>&1 | grep -v -i warn | tee "$OUT/pretrain.log" | tail -3 ;;
+          --seq-length 256 --save "$CKPT" --force --no-progress 2>&1 | grep -v -i warn | tee "$OUT/pretrain.log" | tail -3 ;;
     ablations)
       stage activation_error
       $PY tools/paper_activation_error.py --hf-checkpoint "$CKPT" --num-prompts "$NUM_PROMPTS" --seq-length 64 \

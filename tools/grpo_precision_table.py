@@ -3,7 +3,7 @@
     .venv/bin/python tools/grpo_precision_table.py                       # CPU default, 4 runs
     .venv/bin/python tools/grpo_precision_table.py --precisions quads w4a4 -- --bf16 --train-iters 40
 
-Everything after `--` goes to every run (e.g. --quads-train bf16 for the naive baseline).
+Everything after `--` goes to every run (e.g. --train-precision bf16 for the naive baseline).
 """
 
 import argparse
@@ -32,7 +32,7 @@ def main():
         summary = out_dir / f"{prec}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(args.nproc_per_node), str(ROOT / "examples" / "train_grpo_moe.sh"), "--rollout-precision", prec,
-               "--no-tqdm", "--summary-json", str(summary), "--exp-name", f"table_{prec}", *extra]
+               "--no-progress", "--summary-json", str(summary), "--exp-name", f"table_{prec}", *extra]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, TORCHDYNAMO_DISABLE="1"), capture_output=True, text=True)
         wall = time.perf_counter() - t0

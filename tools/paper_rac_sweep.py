@@ -18,7 +18,7 @@ from quads_megatron.errors import ConfigError, run_cli
 def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
     from quads_megatron.apps.study import cli, plots
-    from quads_megatron.apps.study.mismatch import build_setup, make_engine, release, rollout_gap
+    from quads_megatron.apps.study.mismatch import build_setup, make_engine, release, rollout_gap, rollout_recipe
     from quads_megatron.apps.study.rac_sweep import randomize_channels
     from quads_megatron.apps.study.timing import time_experts
 
@@ -42,8 +42,7 @@ def main(argv=None) -> dict:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=[setup.trainer.eos])
         for k in ks:
             for channels in (["calibrated", "random"] if k else ["none"]):
-                recipe = setup.policy.recipe.replace(rollout_precision="w4a4_rac" if k else "w4a4",
-                                                     rac_channels=k if k else None)
+                recipe = rollout_recipe(setup, "w4a4_rac" if k else "w4a4", k)
                 eng = make_engine(setup, recipe, calib)
                 if channels == "random":
                     randomize_channels(eng, seed=args.seed)

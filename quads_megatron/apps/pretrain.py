@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-iters", type=int, default=8, help="held-out batches for the final validation loss")
     p.add_argument("--save", required=True, help="output HF checkpoint directory (config.json, safetensors, tokenizer)")
     p.add_argument("--force", action="store_true", help="replace an existing --save directory")
-    p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
     for flag in ("train_iters", "micro_batch_size", "seq_length", "data_bytes", "log_interval"):
         if getattr(args, flag) <= 0:
@@ -109,12 +109,10 @@ def pretrain(args) -> dict:
     """Train, evaluate on held-out text, save; return {'train_loss', 'val_loss', 'tokens', 'seconds', 'params'}."""
     from quads_megatron.convert.live import iter_hf_weights
     from quads_megatron.convert.megatron_to_hf import write_hf_checkpoint
-    from quads_megatron.output_dir import check_output_path
     from quads_megatron.megatron import build_gpt_model, initialize_distributed, qwen3_moe_config, sync_grads
     from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_model_args
     from quads_megatron.rl.tokenizer import build_char_tokenizer
 
-    check_output_path(args.save, force=args.force)
     initialize_distributed(seed=args.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     tok = build_char_tokenizer()
@@ -135,7 +133,7 @@ def pretrain(args) -> dict:
                             weight_decay=args.weight_decay)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     bar = None
-    if rank == 0 and not args.no_tqdm:
+    if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=args.train_iters, desc="pretrain", dynamic_ncols=True)
@@ -170,7 +168,8 @@ def pretrain(args) -> dict:
         with tempfile.TemporaryDirectory() as tok_dir:
             tok.save_pretrained(tok_dir)
             write_hf_checkpoint(weights, hf_config, args.save, dtype=torch.bfloat16, force=args.force,
-                                max_shard_bytes=5 * 10**9, tokenizer_dir=tok_dir)
+                                max_shard_bytes=5 * 10**9, tokenizer_dir=tok_dir, inputs=data_inputs(args),
+                                flag="--save")
     else:
         for _ in weights:  # take part in the TP/EP gathers
             pass
@@ -183,8 +182,18 @@ def pretrain(args) -> dict:
     return out
 
 
+def data_inputs(args) -> list:
+    """The ``(flag, path)`` inputs --save must not overlap: the training text (default: the stdlib)."""
+    return [("--data-path", args.data_path or sysconfig.get_paths()["stdlib"])]
+
+
 def main(argv=None) -> dict:
-    return pretrain(parse_args(argv))
+    """``quads-pretrain``: --save is claimed (checked, locked) before the model is built."""
+    from quads_megatron.output_dir import claim_output
+
+    args = parse_args(argv)
+    with claim_output(args.save, force=args.force, inputs=data_inputs(args), flag="--save"):
+        return pretrain(args)
 
 
 def console_main():

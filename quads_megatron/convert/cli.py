@@ -36,8 +36,21 @@ def check_positive(**flags) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
 
 
+def add_dtype_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """Megatron's dtype flags: ``--bf16`` or ``--fp16``, neither = fp32 (``params_dtype(args)`` reads them)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--bf16", action="store_true", help=f"BF16 {what} (Megatron's flag; neither: fp32)")
+    group.add_argument("--fp16", action="store_true", help=f"FP16 {what} (Megatron's flag; neither: fp32)")
+
+
+def params_dtype(args) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"`` from ``add_dtype_args``' flags (a key of ``DTYPES``)."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
 def add_output_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--force", action="store_true", help="replace an existing --save-dir")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --save-dir this project wrote (with quads_manifest.json) or an empty one")
     parser.add_argument("--dry-run", action="store_true", help="list what would be written; write nothing")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 

@@ -16,13 +16,12 @@ import pickle
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.megatron_params import padded_vocab_size
-from quads_megatron.output_dir import check_output_path, commit_temp_dir, make_temp_dir, remove_temp_dir
+from quads_megatron.output_dir import atomic_output_dir
 from quads_megatron.errors import CheckpointError, Interrupted
-from quads_megatron.integrity import PRODUCER, require_manifest, verify_manifest, write_manifest
+from quads_megatron.integrity import PRODUCER, require_manifest, verify_manifest
 from quads_megatron.megatron.checkpoint import HF_CONFIG_KEY, PRODUCER_KEY, quads_evidence, resolve_checkpoint_dir
 from quads_megatron.megatron.dist_writer import no_orphan_writers
 from quads_megatron.megatron.safe_load import COMMON_PT, DCP_METADATA, load_common_state, read_dcp_metadata
@@ -75,55 +74,25 @@ def build_model_from_hf_config(hf_config: dict, *, tp: int = 1, ep: int = 1, etp
         share_embeddings_and_output_weights=dims.tie_word_embeddings, **model_kwargs)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _broadcast_path(path):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return path
-    box = [str(path) if path is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
-
-def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = False, inputs=()) -> Path:
-    """Save ``model`` (every rank calls this) to ``out_dir`` atomically: a temporary sibling directory
-    is written by all ranks, gets ``quads_manifest.json`` from rank 0, and is renamed by rank 0 once
-    everyone finished.  A signal removes the temporary directory and ends the run; an OSError (full or
+def save_megatron_checkpoint(model, out_dir, hf_config: dict, *, force: bool = False, inputs=(),
+                             flag: str = "--save-dir") -> Path:
+    """Save ``model`` (every rank calls this) to ``out_dir`` through ``atomic_output_dir`` (collective):
+    all ranks write one temporary sibling directory, rank 0 adds ``quads_manifest.json`` and renames it
+    once everyone finished.  A signal removes the temporary directory and ends the run; an OSError (full or
     read-only filesystem) is a CheckpointError naming ``out_dir``."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    out_dir = check_output_path(out_dir, force=force, inputs=inputs)
-    tmp = _broadcast_path(make_temp_dir(out_dir) if _rank() == 0 else None)
-    try:
+    out_dir = Path(out_dir)
+    with atomic_output_dir(out_dir, force=force, inputs=inputs, flag=flag, collective=True) as tmp:
         state = {"model": model.sharded_state_dict(), HF_CONFIG_KEY: json.dumps(hf_config, sort_keys=True),
                  PRODUCER_KEY: PRODUCER}
-        with no_orphan_writers():
-            dist_checkpointing.save(state, str(tmp))
-        if dist.is_initialized():
-            dist.barrier()
-        if _rank() == 0:
-            write_manifest(tmp)
-    except CheckpointException as e:
-        if _rank() == 0:
-            remove_temp_dir(tmp)
-        _reraise_interrupt(e)
-        raise CheckpointError(f"output {out_dir}: writing the checkpoint failed ({_one_line(e)})") from None
-    except OSError as e:
-        if _rank() == 0:
-            remove_temp_dir(tmp)
-        raise CheckpointError(f"output {out_dir}: write failed ({e.filename or tmp}): {e.strerror or e}") from None
-    except BaseException:
-        if _rank() == 0:
-            remove_temp_dir(tmp)
-        raise
-    if _rank() == 0:
-        commit_temp_dir(tmp, out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            with no_orphan_writers():
+                dist_checkpointing.save(state, str(tmp))
+        except CheckpointException as e:
+            _reraise_interrupt(e)
+            raise CheckpointError(f"output {out_dir}: writing the checkpoint failed ({_one_line(e)})") from None
     return out_dir
 
 

@@ -7,6 +7,7 @@ config before the temporary directory is renamed onto ``--save-dir``.
 """
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from quads_megatron.models import qwen3_moe
 from quads_megatron.convert.hf_checkpoint import (TOKENIZER_FILES, HFCheckpoint, ShardedSafetensorsWriter,
                                                   check_finite, check_tokenizer_dir, copy_side_files, format_listing,
                                                   read_json, side_files, write_json)
-from quads_megatron.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.output_dir import atomic_output_dir, claim_output
 from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.megatron.checkpoint import RECIPE_KEY   # the trainer's common-state key
 
@@ -37,33 +38,33 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer-dir", default=None,
                    help="copy tokenizer/generation files from this HF directory (default: the save directory's "
                         "hf/, which the GRPO loop writes, when there is one)")
-    p.add_argument("--dtype", choices=sorted(cli.DTYPES), default="bf16", help="dtype of the written tensors")
+    cli.add_dtype_args(p, "written tensors")
     p.add_argument("--max-shard-size", default="5GB")
     cli.add_parallel_args(p)
     cli.add_output_args(p)
     return p.parse_args(argv)
 
 
-def load_hf_config(args, ckpt) -> tuple:
-    """``(config, where it came from)``: --hf-config, else --preset, else the config stored in the checkpoint
-    ``ckpt`` (a MegatronCheckpoint; or in its save directory's hf/)."""
+def load_hf_config(ckpt, hf_config=None, preset=None) -> tuple:
+    """``(config, where it came from)``: ``hf_config`` (--hf-config), else ``preset`` (--preset), else the config
+    stored in the checkpoint ``ckpt`` (a MegatronCheckpoint; or in its save directory's hf/)."""
     from quads_megatron.convert.megatron_checkpoint import hf_config_from_preset, read_hf_config
 
-    if args.hf_config:
-        path = Path(args.hf_config)
+    if hf_config:
+        path = Path(hf_config)
         path = path / "config.json" if path.is_dir() else path
         return read_json(path, "--hf-config"), f"--hf-config {path}"
-    if args.preset:
-        return hf_config_from_preset(args.preset), f"--preset {args.preset}"
+    if preset:
+        return hf_config_from_preset(preset), f"--preset {preset}"
     stored = ckpt.stored_hf_config()
     if stored is None:
-        read_hf_config(args.load_dir)    # raises the error that says what to pass
+        read_hf_config(ckpt.load_dir)    # raises the error that says what to pass
     return stored, f"the config stored in {ckpt.path}"
 
 
 def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtype, force=False, dry_run=False,
                         max_shard_bytes: int, tokenizer_dir=None, recipe_json: str | None = None, inputs=(),
-                        source="the Megatron checkpoint"):
+                        source="the Megatron checkpoint", flag="--save-dir"):
     """Write ``(name, tensor)`` pairs + config.json as an HF checkpoint, validated before it appears.
 
     A NaN/Inf tensor is refused by its HF name (``source`` says where it came from).
@@ -79,7 +80,7 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
             writer.add(name, t)
         print(format_listing(writer.listing, writer.close() + ["config.json"]))
         return None
-    with atomic_output_dir(save_dir, force=force, inputs=inputs) as tmp:
+    with atomic_output_dir(save_dir, force=force, inputs=inputs, flag=flag) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
         for name, t in weights:
             if name not in expected:
@@ -96,60 +97,84 @@ def write_hf_checkpoint(weights, hf_config: dict, save_dir, *, dtype: torch.dtyp
     return Path(save_dir)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    cli.check_parallel_args(args)
-    max_shard_bytes = cli.parse_size(args.max_shard_size)
+def convert_megatron_to_hf(load_dir, save_dir, *, hf_config=None, preset: str | None = None, tokenizer_dir=None,
+                           dtype: str = "fp32", max_shard_size: str = "5GB", tensor_model_parallel_size: int = 1,
+                           expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+                           transformer_impl: str = "local", make_vocab_size_divisible_by: int = 128,
+                           force: bool = False, dry_run: bool = False, progress: bool = True) -> Path | None:
+    """Convert the torch_dist checkpoint (or GRPO/Megatron-LM ``--save`` directory) ``load_dir`` into an HF
+    checkpoint at ``save_dir`` (every rank calls this); returns ``save_dir`` on rank 0, None for ``dry_run``
+    and on the other ranks.  ``dtype``: a key of ``cli.DTYPES``; ``tokenizer_dir`` defaults to the save
+    directory's ``hf/`` when there is one."""
     from quads_megatron.convert.live import iter_hf_weights
     from quads_megatron.convert.megatron_checkpoint import (MegatronCheckpoint, build_model_from_hf_config,
                                                             hf_side_dir, load_megatron_checkpoint)
     from quads_megatron.megatron.parallel import initialize_distributed
 
-    tokenizer_dir = args.tokenizer_dir
+    layout = argparse.Namespace(tensor_model_parallel_size=tensor_model_parallel_size,
+                                expert_model_parallel_size=expert_model_parallel_size,
+                                expert_tensor_parallel_size=expert_tensor_parallel_size,
+                                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    cli.check_parallel_args(layout)
+    max_shard_bytes = cli.parse_size(max_shard_size)
     if tokenizer_dir is not None:
         check_tokenizer_dir(tokenizer_dir)
-    elif hf_side_dir(args.load_dir) is not None:
-        tokenizer_dir = hf_side_dir(args.load_dir)
-    inputs = [("--load-dir", args.load_dir), ("--hf-config", args.hf_config), ("--tokenizer-dir", tokenizer_dir)]
-    if not args.dry_run:
-        check_output_path(args.save_dir, force=args.force, inputs=inputs)
-    if tokenizer_dir is not None:
-        side_files(tokenizer_dir, TOKENIZER_FILES)   # a side file leading out of its directory: refused now
-    # every file and the config's shapes are checked before a model is built
-    ckpt = MegatronCheckpoint(args.load_dir)
-    hf_config, source = load_hf_config(args, ckpt)
-    tp, ep, etp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    ckpt.check_config(hf_config, source, tp=tp, divisible_by=args.make_vocab_size_divisible_by)
-    dims = qwen3_moe.dims_from_hf_config(hf_config, source)
-    cli.check_parallel_args(args, dims)
-    initialize_distributed(tp=tp, ep=ep, etp=etp)
-    rank0 = dist.get_rank() == 0
-    # params in the output dtype: the checkpoint's values are cast once, on load (fp32 output of an fp32
-    # trainer checkpoint is exact)
-    model = build_model_from_hf_config(
-        hf_config, tp=tp, ep=ep, etp=etp, spec="te" if args.transformer_impl == "transformer_engine" else "local",
-        params_dtype=cli.DTYPES[args.dtype], make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    load_megatron_checkpoint(model, ckpt.path)
-    recipe_json = ckpt.common.get(RECIPE_KEY) if rank0 else None
-    weights = iter_hf_weights(model, vocab_size=dims.vocab_size, progress=rank0 and not args.no_progress)
-    if rank0:
-        try:
-            out = write_hf_checkpoint(weights, hf_config, args.save_dir, dtype=cli.DTYPES[args.dtype], force=args.force,
-                                      dry_run=args.dry_run, max_shard_bytes=max_shard_bytes,
-                                      tokenizer_dir=tokenizer_dir, recipe_json=recipe_json, inputs=inputs,
-                                      source=str(ckpt.path))
-            if out is not None:
-                print(f"wrote {out}")
-        except Interrupted:
-            raise                # every rank got the signal: no gathers to keep going
-        except BaseException:
-            for _ in weights:  # keep the other ranks' gathers going so they exit instead of hanging
+    elif hf_side_dir(load_dir) is not None:
+        tokenizer_dir = hf_side_dir(load_dir)
+    inputs = [("--load-dir", load_dir), ("--hf-config", hf_config), ("--tokenizer-dir", tokenizer_dir)]
+    claim = contextlib.nullcontext() if dry_run else claim_output(save_dir, force=force, inputs=inputs)
+    with claim:
+        if tokenizer_dir is not None:
+            side_files(tokenizer_dir, TOKENIZER_FILES)   # a side file leading out of its directory: refused now
+        # every file and the config's shapes are checked before a model is built
+        ckpt = MegatronCheckpoint(load_dir)
+        config, source = load_hf_config(ckpt, hf_config, preset)
+        tp, ep, etp = tensor_model_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size
+        ckpt.check_config(config, source, tp=tp, divisible_by=make_vocab_size_divisible_by)
+        dims = qwen3_moe.dims_from_hf_config(config, source)
+        cli.check_parallel_args(layout, dims)
+        initialize_distributed(tp=tp, ep=ep, etp=etp)
+        rank0 = dist.get_rank() == 0
+        # params in the output dtype: the checkpoint's values are cast once, on load (fp32 output of an fp32
+        # trainer checkpoint is exact)
+        model = build_model_from_hf_config(
+            config, tp=tp, ep=ep, etp=etp, spec="te" if transformer_impl == "transformer_engine" else "local",
+            params_dtype=cli.DTYPES[dtype], make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        load_megatron_checkpoint(model, ckpt.path)
+        recipe_json = ckpt.common.get(RECIPE_KEY) if rank0 else None
+        weights = iter_hf_weights(model, vocab_size=dims.vocab_size, progress=rank0 and progress)
+        out = None
+        if rank0:
+            try:
+                out = write_hf_checkpoint(weights, config, save_dir, dtype=cli.DTYPES[dtype], force=force,
+                                          dry_run=dry_run, max_shard_bytes=max_shard_bytes,
+                                          tokenizer_dir=tokenizer_dir, recipe_json=recipe_json, inputs=inputs,
+                                          source=str(ckpt.path))
+            except Interrupted:
+                raise                # every rank got the signal: no gathers to keep going
+            except BaseException:
+                for _ in weights:  # keep the other ranks' gathers going so they exit instead of hanging
+                    pass
+                raise
+        else:
+            for _ in weights:  # take part in the gathers
                 pass
-            raise
-    else:
-        for _ in weights:  # take part in the gathers
-            pass
-    dist.barrier()
+        dist.barrier()
+        return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = convert_megatron_to_hf(
+        args.load_dir, args.save_dir, hf_config=args.hf_config, preset=args.preset, tokenizer_dir=args.tokenizer_dir,
+        dtype=cli.params_dtype(args), max_shard_size=args.max_shard_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size, transformer_impl=args.transformer_impl,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, force=args.force, dry_run=args.dry_run,
+        progress=not args.no_progress)
+    if out is not None:
+        print(f"wrote {out}")
 
 
 def console_main():

@@ -13,6 +13,7 @@ so dequantizing a weight gives exactly the trainer's ``fake_quantize`` of it.
 """
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -29,9 +30,10 @@ from quads_megatron.convert.hf_checkpoint import (TOKENIZER_FILES, HFCheckpoint,
 from quads_megatron.device import resolve_device
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE
-from quads_megatron.output_dir import atomic_output_dir, check_output_path
+from quads_megatron.output_dir import atomic_output_dir, claim_output
 from quads_megatron.plan import QuantPlan, quantize_scale_groups
 from quads_megatron.plan.named_params import modelopt_names
+from quads_megatron.recipe import add_recipe_args
 from quads_megatron.vocab import ActivationScaling, Precision, Scope
 
 FORMATS = ("quads", "modelopt")
@@ -44,14 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--load-dir", required=True, help="HF checkpoint directory (BF16)")
     p.add_argument("--save-dir", required=True, help="output rollout checkpoint directory")
     p.add_argument("--format", choices=FORMATS, default="quads")
-    p.add_argument("--recipe", default=None,
-                   help="QuadsRecipe JSON file (default: --load-dir/quads_recipe.json if present, else QuadsRecipe())")
-    p.add_argument("--rollout-precision", choices=_ROLLOUT_PRECISIONS, default=None,
-                   help="default: the recipe's (--format quads only; modelopt is always w4a4 with static input_scale)")
-    p.add_argument("--activation-scaling", choices=[s.value for s in ActivationScaling], default=None,
-                   help="default: the recipe's")
-    p.add_argument("--rac-channels", type=int, default=None,
-                   help="compensation channels k (multiple of 16); default: the recipe's")
+    add_recipe_args(p, train=False, scope=False, rollout_choices=_ROLLOUT_PRECISIONS,
+                    recipe_help="QuadsRecipe JSON file (default: --load-dir/quads_recipe.json if present, else "
+                                "QuadsRecipe()); --format modelopt is always w4a4 with static input_scale")
     p.add_argument("--calib-data", default=None,
                    help=".txt (a prompt per line) or .jsonl ('text'/'prompt'); default: random tokens (tiny models)")
     p.add_argument("--calib-size", type=int, default=64, help="number of calibration prompts")
@@ -68,24 +65,17 @@ def parse_args(argv=None):
 
 
 def load_recipe(args):
-    """The recipe: --recipe, else --load-dir/quads_recipe.json, else the default; flags override it."""
-    from quads_megatron.recipe import QuadsRecipe
+    """The recipe (``recipe_from_args``): --quads-recipe (a file, or a QuadsRecipe given to ``export_rollout``),
+    else --load-dir/quads_recipe.json, else the default; the precision flags override it."""
+    from quads_megatron.recipe import QuadsRecipe, recipe_from_args
 
-    recipe_path = Path(args.recipe) if args.recipe else Path(args.load_dir) / RECIPE_FILE
-    if args.recipe and not recipe_path.is_file():
-        raise CheckpointError(f"--recipe {recipe_path}: file not found")
-    try:
-        text = recipe_path.read_text() if recipe_path.is_file() else None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{recipe_path}: unreadable recipe ({e})") from None
-    try:
-        recipe = QuadsRecipe.from_json(text) if text is not None else QuadsRecipe()
-        if args.format == "modelopt":
-            return recipe.replace(rollout_precision=Precision.W4A4, activation_scaling=ActivationScaling.STATIC)
-        return recipe.replace(rollout_precision=args.rollout_precision,
-                              activation_scaling=args.activation_scaling, rac_channels=args.rac_channels)
-    except ValueError as e:
-        raise CheckpointError(f"{recipe_path if recipe_path.is_file() else 'recipe flags'}: {e}") from None
+    given = args.quads_recipe
+    flags = argparse.Namespace(**{**vars(args), "quads_recipe": None if isinstance(given, QuadsRecipe) else given})
+    recipe = recipe_from_args(flags, base=given if isinstance(given, QuadsRecipe) else None,
+                              default_file=Path(args.load_dir) / RECIPE_FILE)
+    if args.format == "modelopt":
+        return recipe.replace(rollout_precision=Precision.W4A4, activation_scaling=ActivationScaling.STATIC)
+    return recipe
 
 
 def _activation_entries(t):
@@ -225,7 +215,8 @@ def check_args(args) -> list:
     if args.tokenizer_dir is not None:
         check_tokenizer_dir(args.tokenizer_dir)
     return [("--load-dir", args.load_dir), ("--tokenizer-dir", args.tokenizer_dir),
-            ("--calib-data", args.calib_data), ("--recipe", args.recipe)]
+            ("--calib-data", args.calib_data),
+            ("--quads-recipe", args.quads_recipe if isinstance(args.quads_recipe, (str, Path)) else None)]
 
 
 def check_calibration_fits(args, config: dict, source: str) -> None:
@@ -240,11 +231,32 @@ def check_calibration_fits(args, config: dict, source: str) -> None:
                           f"{limit} ({source})")
 
 
-def export_rollout(args) -> Path | None:
+def export_rollout(load_dir, save_dir, *, fmt: str = "quads", recipe=None, rollout_precision=None,
+                   activation_scaling=None, rac_channels: int | None = None, calib_data=None, calib_size: int = 64,
+                   calib_seq_len: int | None = None, device: str = "cpu", tokenizer_dir=None, seed: int = 0,
+                   max_shard_size: str = "5GB", force: bool = False, dry_run: bool = False,
+                   progress: bool = True) -> Path | None:
+    """Export the HF checkpoint ``load_dir`` as a rollout checkpoint at ``save_dir`` (``fmt`` "quads" or
+    "modelopt"); returns ``save_dir`` (None for ``dry_run``, which prints the listing).  ``recipe``: a
+    ``QuadsRecipe``, a recipe JSON file, or None (``load_dir``'s ``quads_recipe.json``, else the default);
+    the precision arguments override it.  Every argument is the CLI flag of the same name."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: expected one of {list(FORMATS)}")
+    args = argparse.Namespace(
+        load_dir=load_dir, save_dir=save_dir, format=fmt, quads_recipe=recipe,
+        rollout_precision=rollout_precision and vocab.parse_precision(rollout_precision, "--rollout-precision").value,
+        activation_scaling=activation_scaling and vocab.parse_scaling(activation_scaling).value,
+        rac_channels=rac_channels, calib_data=calib_data, calib_size=calib_size, calib_seq_len=calib_seq_len,
+        device=device, tokenizer_dir=tokenizer_dir, seed=seed, max_shard_size=max_shard_size, force=force,
+        dry_run=dry_run, no_progress=not progress)
     inputs = check_args(args)
     recipe = load_recipe(args)
-    if not args.dry_run:
-        check_output_path(args.save_dir, force=args.force, inputs=inputs)
+    claim = contextlib.nullcontext() if dry_run else claim_output(save_dir, force=force, inputs=inputs)
+    with claim:
+        return _export(args, recipe, inputs)
+
+
+def _export(args, recipe, inputs) -> Path | None:
     ckpt = HFCheckpoint(args.load_dir)
     side_files(args.load_dir, TOKENIZER_FILES)   # a side file leading out of the checkpoint: refused now
     source = str(ckpt.path / "config.json")
@@ -315,7 +327,12 @@ def run_calibration(args, dims, plan):
 
 
 def main(argv=None):
-    out = export_rollout(parse_args(argv))
+    a = parse_args(argv)
+    out = export_rollout(a.load_dir, a.save_dir, fmt=a.format, recipe=a.quads_recipe, rollout_precision=a.rollout_precision,
+                         activation_scaling=a.activation_scaling, rac_channels=a.rac_channels, calib_data=a.calib_data,
+                         calib_size=a.calib_size, calib_seq_len=a.calib_seq_len, device=a.device,
+                         tokenizer_dir=a.tokenizer_dir, seed=a.seed, max_shard_size=a.max_shard_size, force=a.force,
+                         dry_run=a.dry_run, progress=not a.no_progress)
     if out is not None:
         print(f"wrote {out}")
 

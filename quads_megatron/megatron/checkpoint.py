@@ -11,7 +11,8 @@ The one checkpoint path of the trainer, the GRPO loop and the converters:
   parameters they belong to (Megatron's ``optimizer.state.<key>.<param>`` keys).
 * ``save_iteration`` / ``load_iteration``: Megatron-LM's training-directory layout,
   ``{save}/iter_NNNNNNN/`` + the ``latest_checkpointed_iteration.txt`` tracker.  An iteration is
-  written into ``iter_NNNNNNN.tmp`` and renamed once every rank finished, then the tracker is
+  written through ``quads_megatron.output_dir.atomic_output_dir`` (a hidden temporary, renamed once
+  every rank finished; a killed run's temporary is removed by the next writer), then the tracker is
   replaced atomically (and never moved backwards), so a crash mid-save keeps the previous
   checkpoint.  Every directory we write gets ``quads_manifest.json`` (per-file SHA-256,
   ``quads_megatron.integrity``) before it becomes visible, and every load verifies it first.
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from quads_megatron.output_dir import commit_temp_dir
+from quads_megatron.output_dir import atomic_output_dir
 from quads_megatron.errors import CheckpointError
 from quads_megatron.integrity import PRODUCER, read_manifest, require_manifest, verify_manifest, write_manifest
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
@@ -546,21 +547,11 @@ def save_iteration(model, save_dir, iteration: int, optimizer=None, *, common=No
         raise CheckpointError(f"{save_dir} holds iteration {latest}; saving iteration {iteration} there would "
                               f"move {TRACKER} backwards")
     final = iteration_dir(save_dir, iteration)
-    tmp = final.with_name(final.name + ".tmp")
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
-        tmp.mkdir(parents=True)
-    _barrier()
-    try:
+    # rank 0 locks nothing here: the run holds its --save directory (claim_output); a stale iteration of a
+    # dead run (written, tracker not yet moved) is ours and replaced
+    with atomic_output_dir(final, force=True, flag="--save", lock=False, manifest=False, collective=True) as tmp:
         _write(model, tmp, optimizer, metadata, common, rank_state)
-        _barrier()
-    except BaseException:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if _rank() == 0:
-        commit_temp_dir(tmp, final)
         _write_tracker(save_dir, iteration)
         if replace:
             for other in save_dir.glob("iter_*"):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from quads_megatron import vocab
 from quads_megatron.errors import CheckpointError, ConfigError
+from quads_megatron.recipe import add_recipe_args, recipe_from_args
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-data", default=None, help="held-out .jsonl for pass@1 (JSONL tasks)")
     g.add_argument("--rollout-batch-size", type=int, default=32, help="prompts per step over all DP ranks")
     g.add_argument("--n-samples-per-prompt", type=int, default=8, help="G, the GRPO group size")
-    g.add_argument("--max-new-tokens", "--rollout-max-response-len", dest="max_new_tokens", type=int, default=8)
-    g.add_argument("--temperature", "--rollout-temperature", dest="temperature", type=float, default=1.0)
-    g.add_argument("--top-p", "--rollout-top-p", dest="top_p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=8, help="response tokens per sample")
+    g.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    g.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--no-tis", dest="use_tis", action="store_false", help="disable truncated importance sampling")
@@ -78,19 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sft-batch-size", type=int, default=64)
 
     g = p.add_argument_group("precision (spellings of the QuadsRecipe fields; the QuantPlan decides per weight)")
-    g.add_argument("--quads-train", choices=vocab.precision_choices(train=True), default=None,
-                   help="trainer precision of the quantized weights: bf16, aqat (= w4a16: NVFP4 fake-quantized "
-                        "weights, BF16 activations; the default) or the symmetric w4a4 baseline")
-    g.add_argument("--quads-recipe", default=None, help="QuadsRecipe JSON file (default recipe otherwise)")
-    g.add_argument("--rollout-precision", choices=vocab.precision_choices(), default=None,
-                   help="rollout GEMMs: bf16, w4a16 (NVFP4 weights only), w4a4, w4a4_rac (= quads: W4A4 + RAC; "
-                        "the default)")
-    g.add_argument("--activation-scaling", choices=[s.value for s in vocab.ActivationScaling], default=None,
-                   help="W4A4 activation scales (default: the recipe's, per_token)")
-    g.add_argument("--rac-channels", type=int, default=None,
-                   help="RAC compensation channels per GEMM (multiple of 16; default: the recipe's, 16)")
-    g.add_argument("--quads-scope", nargs="+", choices=[s.value for s in vocab.Scope], default=None,
-                   help="weights to quantize in trainer and rollout alike (default: the recipe's, routed_experts)")
+    add_recipe_args(g)
 
     g = p.add_argument_group("rollout engine")
     g.add_argument("--rollout-engine", choices=["local", "sglang"], default="local")
@@ -126,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--force", action="store_true",
                    help="start over in a --save directory that already holds a checkpoint: its iterations "
                         "are replaced at this run's first save")
-    g.add_argument("--no-tqdm", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     g.add_argument("--summary-json", default=None, help="also write the final summary here")
     return p
 
@@ -142,24 +131,44 @@ def _held_checkpoint(save: str) -> str | None:
     return f"{iters[-1]}, no {TRACKER}" if iters else None
 
 
+def check_save_dir_is_ours(save: Path) -> None:
+    """--force starts over in --save: refuse unless everything in it is what a GRPO run writes (the tracker,
+    ``iter_*`` and ``hf`` directories holding quads_manifest.json, our temporaries), naming the rest."""
+    from quads_megatron.integrity import MANIFEST
+    from quads_megatron.megatron.checkpoint import TRACKER
+    def ours(p: Path) -> bool:
+        if p.name == TRACKER or (p.name.startswith(".") and (".partial-" in p.name or ".old-" in p.name)):
+            return True
+        return (p.name.startswith("iter_") or p.name in ("hf", "release")) and (p / MANIFEST).is_file()
+
+    foreign = [p for p in sorted(save.iterdir()) if not ours(p)]
+    if foreign:
+        names = ", ".join(repr(p.name + ("/" if p.is_dir() else "")) for p in foreign[:5])
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise CheckpointError(f"--save {save}: --force starts over only in a directory a GRPO run wrote (the tracker, "
+                              f"iter_*/ and hf/ with quads_manifest.json), and it also holds {names}{more}: move "
+                              "them away yourself or choose another --save")
+
+
+def check_outputs_not_inputs(args) -> None:
+    """--save, --tensorboard-dir and --summary-json must not be, contain or lie inside an input (task file, eval
+    data, recipe, initial checkpoint, tokenizer); --save may equal --load (resume)."""
+    from quads_megatron.output_dir import check_not_inside_inputs
+
+    task_file = args.task if args.task and Path(args.task).is_file() else None
+    inputs = [("--task", task_file), ("--eval-data", args.eval_data), ("--quads-recipe", args.quads_recipe),
+              ("--hf-checkpoint", args.hf_checkpoint), ("--tokenizer", args.tokenizer)]
+    if args.save:
+        check_not_inside_inputs(args.save, inputs, flag="--save")
+    if args.tensorboard_dir:
+        check_not_inside_inputs(args.tensorboard_dir, inputs, flag="--tensorboard-dir")
+    if args.summary_json:
+        load = [("--load", args.load)] if args.load else []
+        check_not_inside_inputs(args.summary_json, inputs + load, flag="--summary-json")
+
+
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
-
-
-def resolve_recipe(args):
-    """The run's QuadsRecipe: --quads-recipe (or the default) with the precision flags applied."""
-    from quads_megatron.recipe import QuadsRecipe
-
-    recipe = QuadsRecipe.from_file(args.quads_recipe) if args.quads_recipe else QuadsRecipe()
-    try:
-        return recipe.replace(
-            train_precision=args.quads_train and vocab.parse_precision(args.quads_train, "--quads-train"),
-            rollout_precision=args.rollout_precision and vocab.parse_precision(args.rollout_precision,
-                                                                               "--rollout-precision"),
-            activation_scaling=args.activation_scaling, rac_channels=args.rac_channels,
-            scope=tuple(args.quads_scope) if args.quads_scope else None)
-    except ValueError as e:
-        raise ConfigError(f"precision flags: {e}") from None
 
 
 # (flag, lowest allowed, whether the lowest value itself is allowed); None values are skipped
@@ -312,6 +321,8 @@ def check_checkpoint_flags(args, explicit_load: bool) -> None:
         raise ConfigError("--force needs --save")
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
         raise ConfigError(f"--save {args.save}: exists and is not a directory")
+    if args.force and args.save and Path(args.save).is_dir():
+        check_save_dir_is_ours(Path(args.save))
     held = _held_checkpoint(args.save) if args.save and not args.force else None
     if held is not None and (args.load is None or not _same_dir(args.load, args.save)):
         load = "" if args.load is None else f" (this run loads --load {args.load})"
@@ -366,8 +377,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_ranges(args)
     check_engine_flags(args)
     check_paths(args)
+    check_outputs_not_inputs(args)
     check_checkpoint_flags(args, explicit_load)
-    args.recipe = resolve_recipe(args)
+    args.recipe = recipe_from_args(args)
     if args.rollout_engine == "sglang" and args.sglang_weight_sync == "tensor-bf16" and \
             vocab.Scope.ATTENTION in args.recipe.scope:
         raise ConfigError("--sglang-weight-sync tensor-bf16: the server quantizes routed experts only; with "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -306,7 +307,7 @@ class GRPOTrainer:
             self.logger.log(0, {"eval/pass@1": pass_before}, line=False)
         _print(f"pass@1 before GRPO: {pass_before:.3f}" if pass_before is not None else "")
         bar = None
-        if _rank0() and not a.no_tqdm and sys.stderr.isatty():
+        if _rank0() and not a.no_progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=a.train_iters, initial=start, desc="GRPO", dynamic_ncols=True, leave=False)
@@ -393,15 +394,12 @@ class GRPOTrainer:
                                     replace=first and bool(getattr(a, "force", False)))
 
     def _write_hf_dir(self, save: Path):
-        import shutil
+        """{save}/hf (config.json + tokenizer) through the atomic writer; the run holds the lock of {save}."""
+        from quads_megatron.output_dir import atomic_output_dir
 
-        from quads_megatron.output_dir import commit_temp_dir
-
-        tmp = save / "hf.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.tokenizer.save_pretrained(tmp)
-        self.policy.hf_config().save_pretrained(tmp)
-        commit_temp_dir(tmp, save / "hf")
+        with atomic_output_dir(save / "hf", force=True, flag="--save", lock=False) as tmp:
+            self.tokenizer.save_pretrained(tmp)
+            self.policy.hf_config().save_pretrained(tmp)
 
     def _load_checkpoint(self):
         """Resume from --load: model + AdamW (any TP/EP layout), history; None when it holds no checkpoint."""
@@ -478,6 +476,20 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+@contextlib.contextmanager
+def claim_save_dir(save):
+    """Hold the lock of --save for the whole run (rank 0; a second run on it stops with exit 2 naming this
+    one) and remove the iteration / hf temporaries a killed run left in it."""
+    from quads_megatron.output_dir import is_writer_rank, output_lock, remove_stale_temp_dirs_in
+
+    if not save or not is_writer_rank():
+        yield
+        return
+    with output_lock(save, flag="--save"):
+        remove_stale_temp_dirs_in(save)
+        yield
+
+
 def run(argv=None) -> int:
     """The command line: ``main`` through ``run_cli`` (a user error: one line, exit 2; a signal: one line, 128+N)."""
     die_with_parent()
@@ -488,11 +500,12 @@ def main(argv=None) -> dict:
     """The GRPO job (returns its summary; ``run`` is the command-line wrapper of it)."""
     args = parse_args(argv)
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(args)
-    try:
-        summary = trainer.run()
-    finally:
-        trainer.close()
+    with claim_save_dir(args.save):
+        trainer = GRPOTrainer(args)
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.close()
     summary["wall_time_s"] = time.perf_counter() - t0
     _print(f"wall time {summary['wall_time_s']:.1f} s; TensorBoard: tensorboard --logdir {args.tensorboard_dir}")
     if dist.is_initialized():

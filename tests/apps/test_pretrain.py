@@ -23,7 +23,7 @@ def test_pretrain_learns_and_saves_an_hf_checkpoint(tmp_path):
     save = tmp_path / "hf"
     out = pretrain.main(["--preset", "tiny", "--data-path", str(_corpus(tmp_path)), "--train-iters", "80",
                          "--micro-batch-size", "16", "--seq-length", "48", "--lr", "3e-3", "--lr-warmup-iters", "5",
-                         "--save", str(save), "--no-tqdm"])
+                         "--save", str(save), "--no-progress"])
     assert out["val_loss"] < 0.6 * math.log(100), out  # far below a uniform guess over the 100 characters
     cfg = json.loads((save / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe" and cfg["vocab_size"] == 256  # the tiny preset's rows

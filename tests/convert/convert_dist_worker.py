@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-LAYOUT = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+LAYOUT = ["--bf16", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
           "--expert-tensor-parallel-size", "1", "--no-progress"]
 
 

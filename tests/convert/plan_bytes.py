@@ -45,7 +45,7 @@ def _export(hf_dir, recipe, out):
     from quads_megatron.convert import rollout_export
 
     (out.parent / "recipe.json").write_text(recipe.to_json())
-    rollout_export.main(["--load-dir", str(hf_dir), "--save-dir", str(out), "--recipe", str(out.parent / "recipe.json"),
+    rollout_export.main(["--load-dir", str(hf_dir), "--save-dir", str(out), "--quads-recipe", str(out.parent / "recipe.json"),
                          "--calib-size", "2", "--calib-seq-len", "8", "--no-progress", "--force"])
     tensors = {}
     for f in sorted(out.glob("*.safetensors")):

@@ -43,12 +43,12 @@ def _hf_logits(hf_dir, ids):
 @pytest.fixture(scope="module")
 def tp1_megatron(tiny_hf, tmp_path_factory):
     out = tmp_path_factory.mktemp("mg") / "tp1"
-    hf_to_megatron.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--no-progress"])
+    hf_to_megatron.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--bf16", "--no-progress"])
     return out
 
 
 def test_dry_run_lists_megatron_tensors(tiny_hf, tmp_path, capsys):
-    hf_to_megatron.main(["--load-dir", str(tiny_hf), "--save-dir", str(tmp_path / "x"), "--dry-run"])
+    hf_to_megatron.main(["--load-dir", str(tiny_hf), "--save-dir", str(tmp_path / "x"), "--bf16", "--dry-run"])
     text = capsys.readouterr().out
     assert "decoder.layers.1.self_attention.linear_qkv.weight  [128, 64]  bf16" in text
     assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight  [128, 64]" in text
@@ -57,7 +57,7 @@ def test_dry_run_lists_megatron_tensors(tiny_hf, tmp_path, capsys):
 
 def test_tp1_round_trip_is_bitwise_and_logits_match(tiny_hf, tp1_megatron, tmp_path):
     out = tmp_path / "hf"
-    megatron_to_hf.main(["--load-dir", str(tp1_megatron), "--save-dir", str(out), "--no-progress"])
+    megatron_to_hf.main(["--load-dir", str(tp1_megatron), "--save-dir", str(out), "--bf16", "--no-progress"])
     assert_same_checkpoint(tiny_hf, out)
 
     from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
@@ -91,7 +91,7 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert_same_checkpoint(tiny_hf, tmp_path / "hf_tp2ep2_same")
     assert_same_checkpoint(tiny_hf, tmp_path / "hf_tp1_in_tp2ep2")
-    megatron_to_hf.main(["--load-dir", str(tmp_path / "mg_tp2ep2"), "--save-dir", str(tmp_path / "hf_tp1"),
+    megatron_to_hf.main(["--load-dir", str(tmp_path / "mg_tp2ep2"), "--save-dir", str(tmp_path / "hf_tp1"), "--bf16",
                          "--no-progress"])
     assert_same_checkpoint(tiny_hf, tmp_path / "hf_tp1")
 
@@ -141,7 +141,7 @@ def test_trainer_checkpoint_to_hf_to_rollout_keeps_the_recipe(tiny_hf, tp1_megat
     save_checkpoint(model, str(tmp_path / "trainer"))
     with pytest.raises(Exception, match="pass --hf-config"):
         megatron_to_hf.main(["--load-dir", str(tmp_path / "trainer"), "--save-dir", str(tmp_path / "x")])
-    megatron_to_hf.main(["--load-dir", str(tmp_path / "trainer"), "--save-dir", str(tmp_path / "hf"),
+    megatron_to_hf.main(["--load-dir", str(tmp_path / "trainer"), "--save-dir", str(tmp_path / "hf"), "--bf16",
                          "--preset", "tiny", "--no-progress"])
     assert_same_checkpoint(tiny_hf, tmp_path / "hf")
     assert QuadsRecipe.from_json((tmp_path / "hf" / "quads_recipe.json").read_text()) == recipe
@@ -157,8 +157,8 @@ def test_tied_embeddings_round_trip(tmp_path):
 
     hf = save_tiny_hf(tmp_path / "hf", tie_word_embeddings=True)
     assert "lm_head.weight" not in HFCheckpoint(hf)
-    hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--no-progress"])
-    megatron_to_hf.main(["--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "back"), "--no-progress"])
+    hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--bf16", "--no-progress"])
+    megatron_to_hf.main(["--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "back"), "--bf16", "--no-progress"])
     assert_same_checkpoint(hf, tmp_path / "back")
 
 
@@ -168,7 +168,7 @@ def test_unnormalised_top_k_router_logits_match(tmp_path):
     from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
 
     hf = save_tiny_hf(tmp_path / "hf", norm_topk_prob=False)
-    hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--no-progress"])
+    hf_to_megatron.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "mg"), "--bf16", "--no-progress"])
     config = HFCheckpoint(hf).config
     model = build_model_from_hf_config(config, params_dtype=torch.float32)
     load_megatron_checkpoint(model, tmp_path / "mg")

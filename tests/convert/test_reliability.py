@@ -97,9 +97,14 @@ def test_existing_output_is_refused_without_force(tiny_hf, tmp_path, capsys):
     argv = ["--load-dir", str(tiny_hf), "--save-dir", str(out), "--rollout-precision", "w4a16", "--no-progress"]
     assert cli.run(rollout_export.main, argv) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
+    assert cli.run(rollout_export.main, argv + ["--force"]) == 2     # not ours (no manifest): --force refuses it
+    assert "'keep'" in capsys.readouterr().err and (out / "keep").read_text() == "x"
+    (out / "keep").unlink()                                          # empty: --force replaces it
     assert cli.run(rollout_export.main, argv + ["--force"]) == 0
-    assert not (out / "keep").exists() and (out / "model.safetensors").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]     # no temporary directories left
+    (out / "extra").write_text("y")                                  # ours now (manifest): replaced whole
+    assert cli.run(rollout_export.main, argv + ["--force"]) == 0
+    assert not (out / "extra").exists() and (out / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]     # no temporary directories or lock files left
 
 
 def test_interrupted_export_leaves_nothing(tiny_hf, tmp_path, monkeypatch):

@@ -238,7 +238,7 @@ def test_recipe_carve_out_keeps_a_layer_bf16(tiny_hf, tmp_path):
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps({"bf16_first_layers": 1}))
     out = tmp_path / "w4a16"
-    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--recipe", str(recipe),
+    rollout_export.main(["--load-dir", str(tiny_hf), "--save-dir", str(out), "--quads-recipe", str(recipe),
                          "--rollout-precision", "w4a16", "--no-progress"])
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.mlp.experts*" in qc["exclude_modules"] and qc["precision"] == "w4a16"

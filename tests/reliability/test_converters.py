@@ -286,8 +286,8 @@ def test_sigkill_mid_write_leaves_no_writer_and_the_next_run_cleans_up(tmp_path,
     proc.kill()
     proc.communicate(timeout=30)     # returns only once no process holds the pipes (no orphaned writer)
     assert_gone(children)
-    stale = leftovers(out)
-    assert len(stale) == 1 and stale[0].startswith(".out.partial-")
+    stale = sorted(leftovers(out))     # the dead run's temporary, and its lock file (no process holds it)
+    assert len(stale) == 2 and stale[0] == ".out.lock" and stale[1].startswith(".out.partial-"), stale
     assert cli.run(hf_to_megatron.main, _tool_argv("h2m", hf, mg, out)) == 0
     assert leftovers(out) == ["out"]
     assert verify_manifest(out) is True

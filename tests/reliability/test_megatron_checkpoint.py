@@ -162,7 +162,13 @@ def test_save_iteration_killed_mid_write_leaves_no_writer_and_no_iteration(sig, 
             f"save: interrupted by {signal.Signals(sig).name}; partial output removed"] and "Traceback" not in err, err
     assert not (save / mckpt.TRACKER).exists() and not (save / ITER).exists()
     if sig != signal.SIGKILL:
-        assert list(save.iterdir()) == []   # the partial iteration (iter_0000001.tmp) was removed
+        assert list(save.iterdir()) == []   # the partial iteration was removed
+    else:   # nothing ran to clean up: the hidden partial iteration stays, and the next run on --save removes it
+        from quads_megatron.rl.loop import claim_save_dir
+
+        assert [p.name.split(".partial-")[0] for p in save.iterdir()] == [f".{ITER}"]
+        with claim_save_dir(save):
+            assert list(save.iterdir()) == []
 
 
 # ------------------------------------------------------------------ broken checkpoints: one named error each

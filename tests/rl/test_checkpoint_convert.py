@@ -59,7 +59,7 @@ def test_grpo_save_dir_converts_to_hf(tiny_args, tmp_path):
         trainer.close()
     policy = trainer.policy
     assert mckpt.latest_iteration(save) == 2 and (save / "iter_0000001").is_dir()
-    megatron_to_hf.main(["--load-dir", str(save), "--save-dir", str(out), "--dtype", "fp32", "--no-progress"])
+    megatron_to_hf.main(["--load-dir", str(save), "--save-dir", str(out), "--no-progress"])
 
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     sd = hf.state_dict()
@@ -81,7 +81,7 @@ def test_grpo_save_dir_converts_to_hf(tiny_args, tmp_path):
     bare = tmp_path / "bare"
     mckpt.save_iteration(policy.model, bare, 7)
     shutil.copytree(save / "hf", bare / "hf")
-    megatron_to_hf.main(["--load-dir", str(bare), "--save-dir", str(tmp_path / "hf2"), "--dtype", "fp32",
+    megatron_to_hf.main(["--load-dir", str(bare), "--save-dir", str(tmp_path / "hf2"),
                          "--no-progress"])
     hf2 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -99,7 +99,7 @@ def test_two_rank_checkpoint_converts_and_resumes_on_one_rank(tiny_args, tmp_pat
     r = subprocess.run(cmd, cwd=EXAMPLE.parents[1], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert mckpt.latest_iteration(save) == 2
-    megatron_to_hf.main(["--load-dir", str(save), "--save-dir", str(out), "--dtype", "fp32", "--no-progress"])
+    megatron_to_hf.main(["--load-dir", str(save), "--save-dir", str(out), "--no-progress"])
 
     trainer = GRPOTrainer(parse_args(tiny_args("--train-iters", "3", "--save", str(save), "--resume")))
     try:

@@ -27,7 +27,7 @@ SCALARS = ["reward/mean", "reward/std", "eval/pass@1", "response/length_mean", "
 LEARN_STEPS = 25
 LEARN = ["--sft-iters", "40", "--sft-batch-size", "64", "--rollout-batch-size", "32", "--n-samples-per-prompt", "4", "--lr", "1e-3",
          "--train-iters", str(LEARN_STEPS), "--eval-interval", str(LEARN_STEPS),
-         "--quant-error-interval", str(LEARN_STEPS), "--quads-train", "aqat", "--rollout-precision", "quads"]
+         "--quant-error-interval", str(LEARN_STEPS), "--train-precision", "aqat", "--rollout-precision", "quads"]
 MIN_REWARD_GAIN = 0.08
 
 
@@ -54,7 +54,7 @@ def short_run(tmp_path_factory):
         if (train, rollout) not in cache:
             tb = tmp_path_factory.mktemp(f"grpo_{train}_{rollout}") / "tb"
             cache[train, rollout] = main(TINY + ["--tensorboard-dir", str(tb), "--train-iters", "2",
-                                                 "--quads-train", train, "--rollout-precision", rollout])
+                                                 "--train-precision", train, "--rollout-precision", rollout])
         return cache[train, rollout]
     return run
 
@@ -129,7 +129,7 @@ def test_event_file_and_summary_json(learning_run):
 def test_several_optimizer_steps_per_rollout(tiny_args, tmp_path):
     """--global-batch-size below the rollout size: PPO ratios move off 1 on the later optimizer steps."""
     out = main(tiny_args("--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "4",
-                         "--quads-train", "bf16", "--rollout-precision", "bf16", "--lr", "1e-2"))
+                         "--train-precision", "bf16", "--rollout-precision", "bf16", "--lr", "1e-2"))
     acc = _events(tmp_path / "tb")
     ratios = [e.value for e in acc.Scalars("policy/ppo_ratio_mean")]
     assert len(ratios) == 2 and all(math.isfinite(r) for r in ratios)

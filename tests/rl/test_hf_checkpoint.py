@@ -19,7 +19,7 @@ def test_trainer_starts_from_hf_checkpoint(tiny_args, tmp_path):
     hf.save_pretrained(tmp_path / "ck")
     build_char_tokenizer().save_pretrained(tmp_path / "ck")
 
-    trainer = GRPOTrainer(parse_args(tiny_args("--hf-checkpoint", str(tmp_path / "ck"), "--quads-train", "bf16",
+    trainer = GRPOTrainer(parse_args(tiny_args("--hf-checkpoint", str(tmp_path / "ck"), "--train-precision", "bf16",
                                                "--rollout-precision", "bf16")))
     trainer.policy.load_hf_checkpoint()
     tokens = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11]])

@@ -25,7 +25,7 @@ def test_torchrun_two_ranks(tmp_path, flag):
     """EP=2 / TP=2 over gloo: experts and vocab-parallel logits gathered right (gap ~1e-7, not ~1e-1)."""
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           flag, "2", "--quads-train", "bf16", "--rollout-precision", "bf16",
+           flag, "2", "--train-precision", "bf16", "--rollout-precision", "bf16",
            "--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2",
            "--summary-json", str(summary), *TINY, "--tensorboard-dir", str(tmp_path / "tb")]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)

@@ -11,8 +11,24 @@ from pathlib import Path
 import torch
 
 
+class _StudyParser(argparse.ArgumentParser):
+    """argparse that refuses --out-json / --out-png over an input (--hf-checkpoint, a --task file) once parsed."""
+
+    def parse_args(self, args=None, namespace=None):
+        from quads_megatron.output_dir import check_not_inside_inputs
+
+        ns = super().parse_args(args, namespace)
+        task = getattr(ns, "task", None)
+        inputs = [("--hf-checkpoint", getattr(ns, "hf_checkpoint", None)),
+                  ("--task", task if task and Path(task).is_file() else None)]
+        for flag in ("out_json", "out_png"):
+            if getattr(ns, flag, None):
+                check_not_inside_inputs(getattr(ns, flag), inputs, flag="--" + flag.replace("_", "-"))
+        return ns
+
+
 def common_parser(description: str, out_stem: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = _StudyParser(description=description)
     p.add_argument("--hf-checkpoint", default=None,
                    help="HF Qwen3-MoE checkpoint to start from (e.g. quads-pretrain's output); default: the tiny "
                         "preset after the GRPO job's SFT warm-up")
@@ -34,8 +50,8 @@ def common_parser(description: str, out_stem: str) -> argparse.ArgumentParser:
 def job_flags(args, train: str, rollout: str, tb_dir: str) -> list[str]:
     """The GRPO job's flags for a trainer of precision ``train`` with a ``rollout`` engine."""
     f = ["--task", args.task, "--seq-length", str(args.seq_length), "--max-new-tokens", str(args.max_new_tokens),
-         "--quads-train", train, "--rollout-precision", rollout, "--seed", str(args.seed),
-         "--tensorboard-dir", tb_dir, "--no-tqdm"]
+         "--train-precision", train, "--rollout-precision", rollout, "--seed", str(args.seed),
+         "--tensorboard-dir", tb_dir, "--no-progress"]
     if rollout in ("w4a4_rac", "quads"):
         f += ["--rac-channels", str(args.rac_channels)]
     if args.hf_checkpoint:

@@ -41,11 +41,16 @@ def build_setup(flags: list[str]) -> Setup:
 
 
 def rollout_recipe(setup: Setup, precision: str, rac_channels: int) -> QuadsRecipe:
-    """The trainer's recipe with another rollout precision (``rac_channels`` applies to w4a4_rac / quads only)."""
+    """The trainer's recipe with another rollout precision (``rac_channels`` applies to w4a4_rac / quads only),
+    through the CLIs' one ``recipe_from_args``."""
+    import argparse
+
+    from quads_megatron.recipe import recipe_from_args
     from quads_megatron.vocab import parse_precision
 
     rac = parse_precision(precision).uses_rac
-    return setup.policy.recipe.replace(rollout_precision=precision, rac_channels=rac_channels if rac else None)
+    flags = argparse.Namespace(rollout_precision=precision, rac_channels=rac_channels if rac else None)
+    return recipe_from_args(flags, base=setup.policy.recipe)
 
 
 def make_engine(setup: Setup, recipe: QuadsRecipe, calib_prompts: list[list[int]]):

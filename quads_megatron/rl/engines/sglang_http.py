@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
@@ -171,18 +170,17 @@ class SGLangEngine(RolloutEngine):
     def _sync_disk(self, named):
         from safetensors.torch import save_file
 
+        from quads_megatron.output_dir import atomic_output_dir
+
         base = self.sync_dir or tempfile.mkdtemp(prefix="quads_sync_")
-        tmp = os.path.join(base, "weights.tmp")
         final = os.path.join(base, "weights")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file({k: v.cpu() for k, v in named}, os.path.join(tmp, "model.safetensors"))
-        if self.hf_config is not None:
-            self.hf_config.save_pretrained(tmp)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        # rewritten every sync: no manifest (the server reads it at once), the previous copy replaced last
+        with atomic_output_dir(final, force=True, flag="--sglang-sync-dir", manifest=False) as tmp:
+            save_file({k: v.cpu() for k, v in named}, os.path.join(tmp, "model.safetensors"))
+            if self.hf_config is not None:
+                self.hf_config.save_pretrained(tmp)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
         for u in self.urls:
             self._post(u, "/update_weights_from_disk", {"model_path": final, "flush_cache": True})
 

@@ -37,24 +37,23 @@ def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike,
         if rank0:
             tensors[name] = t.detach().cpu().contiguous()
     if rank0:
-        hf = out / "hf"
-        hf.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(hf / "model.safetensors"))
-        cfg = policy.hf_config()
-        cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = (tokenizer.eos_token_id, tokenizer.bos_token_id,
-                                                                tokenizer.pad_token_id)
-        cfg.save_pretrained(hf)
-        tokenizer.save_pretrained(hf)
-        (hf / "quads_recipe.json").write_text(policy.recipe.to_json())
-        from quads_megatron.convert import rollout_export
+        from quads_megatron.convert.rollout_export import export_rollout
+        from quads_megatron.output_dir import atomic_output_dir
 
-        argv = ["--load-dir", str(hf), "--save-dir", str(out / "rollout"), "--format", "quads",
-                "--force", "--no-progress"]
+        hf = out / "hf"
+        with atomic_output_dir(hf, force=True, flag="--tensorboard-dir") as tmp:
+            save_file(tensors, str(tmp / "model.safetensors"))
+            cfg = policy.hf_config()
+            cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = (tokenizer.eos_token_id, tokenizer.bos_token_id,
+                                                                    tokenizer.pad_token_id)
+            cfg.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "quads_recipe.json").write_text(policy.recipe.to_json())
+        calib = {}
         if calib_prompts:
             (out / "calib.txt").write_text("\n".join(p.replace("\n", " ") for p in calib_prompts) + "\n")
-            argv += ["--calib-data", str(out / "calib.txt"), "--calib-size", str(len(calib_prompts)),
-                     "--calib-seq-len", str(policy.max_seq_len)]
-        rollout_export.main(argv)
+            calib = dict(calib_data=out / "calib.txt", calib_size=len(calib_prompts), calib_seq_len=policy.max_seq_len)
+        export_rollout(hf, out / "rollout", fmt="quads", force=True, progress=False, **calib)
     if dist.is_initialized():
         dist.barrier()
     return out / "rollout"
