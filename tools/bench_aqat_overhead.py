@@ -19,8 +19,6 @@ CUDA-event timings, median of --iters after warm-up, milliseconds.
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -79,31 +77,11 @@ class MoELayer:
 
 
 def timer(device):
-    if device.type == "cuda":
-        def run(fn, iters, warmup):
-            for _ in range(warmup):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            return statistics.median(times)
-    else:
-        def run(fn, iters, warmup):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times)
-    return run
+    """``run(fn, iters, warmup)`` -> median ms per call: the benchmarks' one timer (CUDA events per call, a
+    backward pass cannot be graph-captured; perf_counter on CPU)."""
+    from quads_megatron.apps.study.timing import time_ms
+
+    return lambda fn, iters, warmup: time_ms(fn, device=device, iters=iters, warmup=warmup, mode="events")
 
 
 def main():

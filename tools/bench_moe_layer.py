@@ -281,21 +281,13 @@ def check_variants(x, tw, ti, w: Experts) -> tuple:
     return checks, agreement
 
 
-# ---- timing ---------------------------------------------------------------------------------
-def time_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
-    """Median ms per call. CUDA: `reps` calls captured in one CUDA graph, replays timed with events
-    (host launch overhead excluded, as SGLang decodes under graphs). CPU: perf_counter per call."""
-    if dev.type != "cuda":
-        fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[len(ts) // 2]
-    from quads_megatron.apps.study.timing import graph_replay_ms
+# ---- timing: quads_megatron.apps.study.timing (the benchmarks' one timer) -------------------
+def layer_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
+    """Median ms per call: CUDA-graph replays of `reps` calls (host launch overhead excluded, as SGLang
+    decodes under graphs); CPU: perf_counter per call."""
+    from quads_megatron.apps.study.timing import time_ms
 
-    return graph_replay_ms(fn, iters, reps)
+    return time_ms(fn, device=dev, iters=iters, warmup=3 if dev.type == "cuda" else 1, mode="graph", reps=reps)
 
 
 def kernel_profile(fn: Callable, calls: int = 5) -> list:
@@ -331,22 +323,6 @@ def sweep_configs(t: int, e: int, topk: int) -> list:
         cands = [(C(128, 128, 64, 8, 3),) * 2, (C(128, 128, 64, 8, 4),) * 2, (C(128, 128, 128, 8, 3),) * 2,
                  (C(64, 128, 128, 8, 3),) * 2, (C(128, 128, 64, 8, 3), C(128, 128, 32, 8, 4))]
     return [None] + cands
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second (CUDA events, median of 20)."""
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    ts = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return 2 * src.numel() / (sorted(ts)[len(ts) // 2] * 1e-3)
 
 
 def weight_bytes(args, hit: int, rac: bool) -> int:
@@ -389,11 +365,13 @@ def table(rows: list, copy_bw: float) -> str:
 
 
 def run(args) -> dict:
+    from quads_megatron.apps.study.timing import copy_bandwidth
+
     dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(args.seed)
     w = build_experts(args, gen, dev)
     layers = {"bf16": bf16_layer, "fp8": fp8_layer, **{m: quads_layer(m) for m in MODES}}
-    copy_bw = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
+    copy_bw = copy_bandwidth(dev)
     rows = []
     for t in args.tokens:
         tw, ti = random_routing(t, args.num_experts, args.moe_router_topk, gen, dev)
@@ -403,7 +381,7 @@ def run(args) -> dict:
         ms = {}
         for name, layer in layers.items():
             try:
-                ms[name] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
+                ms[name] = layer_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
                 ms[name] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
         if args.sweep:
@@ -413,7 +391,7 @@ def run(args) -> dict:
                     layer = quads_layer(mode, configs=cfgs)
                     key = mode + " " + ("default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs))
                     try:
-                        ms["sweep"][key] = time_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
+                        ms["sweep"][key] = layer_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
                         ms["sweep"][key] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
         if args.profile and dev.type == "cuda":

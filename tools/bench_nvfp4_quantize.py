@@ -10,14 +10,16 @@ rotating over several input buffers so the 60 MB L2 does not serve repeats.
 import argparse
 
 import torch
-import triton.testing
 
 from quads_megatron import nvfp4
 from quads_megatron.nvfp4 import core, triton_kernels
 
 
-def bench(fn, rep_ms=200):
-    return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+def bench(fn, iters=100):
+    """Median ms per call (the benchmarks' one timer, CUDA events per call after 50 warm-up calls)."""
+    from quads_megatron.apps.study.timing import time_ms
+
+    return time_ms(fn, device="cuda", iters=iters, warmup=50, mode="events")
 
 
 def main():

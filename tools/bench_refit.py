@@ -18,40 +18,22 @@ an SGLang server (it quantizes) against sending NVFP4. CUDA-event timings, media
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 
 def _timer(device):
-    def run(fn, iters, warmup):
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    return run
+    """``run(fn, iters, warmup)`` -> median ms per call (the benchmarks' one timer, CUDA events per call)."""
+    from quads_megatron.apps.study.timing import time_ms
+
+    return lambda fn, iters, warmup: time_ms(fn, device=device, iters=iters, warmup=warmup, mode="events")
 
 
-def _copy_bandwidth(device, run, nbytes=1 << 30):
-    if device.type != "cuda":
-        return float("nan")
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = run(lambda: dst.copy_(src), 10, 3)
-    return 2 * nbytes / ms / 1e9  # TB/s (read + write)
+def _copy_bandwidth(device):
+    """Device copy bandwidth in TB/s (read + write); NaN off a GPU."""
+    from quads_megatron.apps.study.timing import copy_bandwidth
+
+    return copy_bandwidth(device) / 1e12
 
 
 def _layer(E, H, F, device, seed):
@@ -100,7 +82,7 @@ def main():
                           head_dim=128 if not a.tiny else 16, num_experts=E, moe_ffn=F, tie_word_embeddings=False)
     plan = QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision="w4a4"), dims)
     run = _timer(device)
-    bw = _copy_bandwidth(device, run)
+    bw = _copy_bandwidth(device)
     params = 3 * E * H * F
     bytes_refresh = params * 4                # read + write BF16
     bytes_build = params * (2 + 0.5625)       # read BF16, write codes + E4M3 scales

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -52,16 +51,10 @@ def init_sglang() -> None:
 
 
 def timed(fn, device, iters: int) -> float:
-    """Mean milliseconds of fn() after a warm-up."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1e3
+    """Median ms per call after a warm-up (the benchmarks' one timer: CUDA events per call)."""
+    from quads_megatron.apps.study.timing import time_ms
+
+    return time_ms(fn, device=device, iters=iters, warmup=1, mode="events")
 
 
 def update(model, load, device) -> None:
@@ -163,13 +156,9 @@ def run(model, fwd, tensors, device, iters):
     eager = timed(fwd, device, iters)
     replay, out = graph_of(fwd, device)
     graph = timed(replay, device, iters) if out is not None else float("nan")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    update(model, lambda: load(second), device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    upd = (time.perf_counter() - t) * 1e3
+    from quads_megatron.apps.study.timing import time_ms
+
+    upd = time_ms(lambda: update(model, lambda: load(second), device), device=device, iters=1, warmup=0, mode="wall")
     ok = True
     if out is not None:
         replay()

@@ -48,31 +48,13 @@ SWEEP = {  # spill-free on sm_90 per ptxas (checked offline), plus more warps fo
 
 
 def timer(fn, iters: int, warmup: int = 3, reps: int = 10, graph: bool = True) -> float:
-    """Median milliseconds per call of fn. On GPU fn is captured `reps` times into one CUDA
-    graph (as SGLang serves decode) and replays are timed with CUDA events, so host launch
-    overhead stays out (graph=False: plain events around each call); on CPU, perf_counter."""
-    for _ in range(warmup):
-        fn()
-    if torch.cuda.is_available() and not graph:
-        ts = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        return sorted(ts)[len(ts) // 2]
-    if not torch.cuda.is_available():
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[len(ts) // 2]
-    from quads_megatron.apps.study.timing import graph_replay_ms
+    """Median milliseconds per call of fn (the benchmarks' one timer, ``quads_megatron.apps.study.timing``):
+    on GPU `reps` calls captured into one CUDA graph (as SGLang serves decode), replays timed with CUDA
+    events (graph=False: plain events around each call); on CPU, perf_counter."""
+    from quads_megatron.apps.study.timing import time_ms
 
-    return graph_replay_ms(fn, iters, reps, warmup=0)  # warmed up above
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return time_ms(fn, device=device, iters=iters, warmup=warmup, reps=reps, mode="graph" if graph else "events")
 
 
 def rand_packed(e, n, k, dev):
@@ -90,10 +72,9 @@ def balanced_topk(t, topk, e, dev):
 
 def copy_bandwidth(dev) -> float:
     """Device-to-device copy, bytes read + written per second."""
-    x = torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    ms = timer(lambda: y.copy_(x), 20, graph=False)  # as in h200_anchors.py
-    return 2 * x.numel() / (ms * 1e-3)
+    from quads_megatron.apps.study.timing import copy_bandwidth as bandwidth
+
+    return bandwidth(dev)
 
 
 def baselines(t, topk, e, n, k, dev, iters):

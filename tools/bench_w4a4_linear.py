@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_w4a4_linear times CUDA graphs: it needs a GPU")
     from quads_megatron.nvfp4 import quantize
-    from quads_megatron.apps.study.timing import graph_replay_ms
+    from quads_megatron.apps.study.timing import time_ms
     from quads_megatron.kernels import w4a4_linear
     from quads_megatron.kernels.act_quant import quantize_activation_rac
     from quads_megatron.kernels.gemm import launch_gemm
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             it = iter(range(10 ** 9))
-            ms = {"bf16": graph_replay_ms(lambda: x @ wb[next(it) % COPIES].t(), args.iters, COPIES)}
+            ms = {"bf16": time_ms(lambda: x @ wb[next(it) % COPIES].t(), device="cuda", iters=args.iters, mode="graph", reps=COPIES)}
             for mode in ("w4a16", "w4a4", "w4a4_rac"):
                 extra = dict(comp_index=comp) if mode == "w4a4_rac" else {}
 
@@ -74,9 +74,10 @@ def main(argv=None) -> int:
                     cw = dict(comp_weight=cols[i]) if extra else {}
                     return w4a4_linear(x, d, s, s2, act_mode=mode, backend="triton", check_inputs=False, **extra, **cw)
 
-                ms[mode] = graph_replay_ms(ours, args.iters, COPIES)
+                ms[mode] = time_ms(ours, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
             if args.sweep:
-                ms["act_quant_rac"] = graph_replay_ms(lambda: quantize_activation_rac(x, comp), args.iters, COPIES)
+                ms["act_quant_rac"] = time_ms(lambda: quantize_activation_rac(x, comp), device="cuda",
+                                              iters=args.iters, mode="graph", reps=COPIES)
                 qa = quantize_activation_rac(x, comp)
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                 for cfg in sweep_configs(m):
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                     key = "default" if cfg is None else ",".join(str(int(v)) for v in cfg)
                     for name, flag in (("gemm_w4a16", True), ("gemm_rac", False)):
                         try:
-                            ms[f"{name} {key}"] = graph_replay_ms(lambda: gemm(flag), args.iters, COPIES)
+                            ms[f"{name} {key}"] = time_ms(lambda: gemm(flag), device="cuda", iters=args.iters, mode="graph", reps=COPIES)
                         except Exception as exc:  # a config that does not compile here: report it
                             ms[f"{name} {key}"] = f"ERR {type(exc).__name__}: {str(exc)[:60]}"
             rows.append(dict(n=n, k=k, m=m, ms=ms))

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 
-import torch
 
 from quads_megatron.errors import run_cli
 
@@ -25,7 +23,7 @@ def main(argv=None) -> dict:
     from quads_megatron.rl.engines.base import SamplingParams
     from quads_megatron.apps.study import cli, plots
     from quads_megatron.apps.study.mismatch import build_setup, make_engine, release, rollout_recipe
-    from quads_megatron.apps.study.timing import time_experts
+    from quads_megatron.apps.study.timing import time_experts, time_ms
 
     p = cli.common_parser(__doc__.splitlines()[0], "throughput")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
@@ -44,17 +42,13 @@ def main(argv=None) -> dict:
         for prec in precisions:
             eng = make_engine(setup, rollout_recipe(setup, prec, args.rac_channels), calib)
             eng.generate(prompts, sampling, seed=0)  # warm-up: kernels compiled, graphs captured
-            times = []
-            for r in range(args.repeats):
-                if eng.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                outs = eng.generate(prompts, sampling, seed=r + 1)
-                if eng.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            n_tok = sum(len(o.response_ids) for o in outs)
-            sec = sorted(times)[len(times) // 2]
+            seeds, last = iter(range(1, args.repeats + 1)), {}
+
+            def generate():
+                last["outs"] = eng.generate(prompts, sampling, seed=next(seeds))
+
+            sec = time_ms(generate, device=eng.device, iters=args.repeats, warmup=0, mode="wall") / 1e3
+            n_tok = sum(len(o.response_ids) for o in last["outs"])
             experts = eng.model.model.layers[0].mlp.experts
             top_k = eng.model.config.num_experts_per_tok
             dec = time_experts(experts, args.batch_size, d.hidden_size, d.num_experts, top_k, eng.dtype, eng.device)
