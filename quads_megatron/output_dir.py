@@ -37,10 +37,10 @@ import filelock
 from quads_megatron.errors import CheckpointError, signals_held
 from quads_megatron.integrity import MANIFEST, write_manifest
 
+MARKER = ".quads_output"   # in an output written without a manifest (a scratch copy): it is ours to replace
 _STALE_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)-[^/]+$")
 _LOCK_SUFFIX = ".lock"
 _HELD: dict = {}     # lock path -> [FileLock, depth]: the outputs this process holds (claims nest)
-_COMMITTED: set = set()   # outputs this process put in place (ours to replace even without a manifest)
 
 
 # ---------------------------------------------------------------- checks
@@ -67,11 +67,11 @@ def check_not_inside_inputs(path, inputs, *, flag: str = "--save-dir") -> None:
 
 
 def written_by_us(path) -> bool:
-    """Whether ``path`` is a directory this project may replace: empty, holding our ``quads_manifest.json``,
-    or put in place by this very process (a scratch output rewritten every step, such as the SGLang sync)."""
+    """Whether ``path`` is a directory this project may replace: empty, holding our ``quads_manifest.json``
+    (or, for a scratch output written without one such as the SGLang disk sync, our ``.quads_output``
+    marker)."""
     path = Path(path)
-    return path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST).is_file()
-                              or str(path.resolve()) in _COMMITTED)
+    return path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST).is_file() or (path / MARKER).is_file())
 
 
 def describe_contents(path, limit: int = 5) -> str:
@@ -292,7 +292,6 @@ def commit_temp_dir(tmp, path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, path)
-        _COMMITTED.add(str(path.resolve()))
 
 
 def remove_temp_dir(tmp) -> None:
@@ -349,7 +348,8 @@ def atomic_output_dir(path, *, force: bool = False, inputs=(), flag: str = "--sa
     directory).  On any exception (including ``Interrupted`` from SIGINT/SIGTERM) the temporary
     directory is removed, so a failure never leaves a half-written output at ``path``.  The finished
     directory gets ``quads_manifest.json`` as its last file (``manifest=False``: a scratch copy that is
-    rewritten every step, such as the SGLang disk sync); an OSError while writing (full or read-only
+    rewritten every step, such as the SGLang disk sync, gets the ``.quads_output`` marker instead, unless the
+    block wrote a manifest itself); an OSError while writing (full or read-only
     filesystem) becomes a CheckpointError naming ``path``.
 
     ``collective=True``: every rank of a torch.distributed job enters with the same ``path`` and writes
@@ -391,6 +391,10 @@ def atomic_output_dir(path, *, force: bool = False, inputs=(), flag: str = "--sa
                 _barrier()          # every rank's files are on disk before they are hashed
             if writer and manifest:
                 write_manifest(tmp)
+            elif writer and not (tmp / MANIFEST).is_file():
+                (tmp / MARKER).write_text(json.dumps({"writer": "quads-megatron", "manifest": False}) + "\n")
+            if writer:
+                commit_temp_dir(tmp, path)
         except OSError as e:
             if writer:
                 remove_temp_dir(tmp)
@@ -400,7 +404,5 @@ def atomic_output_dir(path, *, force: bool = False, inputs=(), flag: str = "--sa
             if writer:
                 remove_temp_dir(tmp)
             raise
-        if writer:
-            commit_temp_dir(tmp, path)
         if shared:
             _barrier()

@@ -106,6 +106,26 @@ def test_weight_update_from_disk_is_bracketed(servers, tmp_path):
     assert set(got) == set(w) and torch.equal(got["model.embed_tokens.weight"], w["model.embed_tokens.weight"])
 
 
+def test_disk_sync_replaces_its_own_copy_across_runs_and_refuses_a_user_directory(servers, tmp_path):
+    """The disk sync goes through the one output writer: a later run replaces the previous run's copy (its
+    marker says it is ours), a user's own ``weights`` directory in --sglang-sync-dir is refused and kept."""
+    from quads_megatron.errors import CheckpointError
+
+    s = servers()
+    for value in (1.0, 2.0):     # two runs (two engines) over one --sglang-sync-dir
+        eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="disk", sync_dir=str(tmp_path))
+        eng.update_weights([("x.weight", torch.full((2,), value))])
+        assert torch.equal(load_file(str(tmp_path / "weights" / "model.safetensors"))["x.weight"], torch.full((2,), value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]   # no temporaries, no lock file left
+    user = tmp_path / "user"
+    (user / "weights").mkdir(parents=True)
+    (user / "weights" / "notes.txt").write_text("mine")
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="disk", sync_dir=str(user))
+    with pytest.raises(CheckpointError, match="'notes.txt'"):
+        eng.update_weights([("x.weight", torch.zeros(2))])
+    assert (user / "weights" / "notes.txt").read_text() == "mine" and s.paths()[-1] == "/end_weight_update"
+
+
 def test_weight_update_from_tensor_one_payload_per_tp_rank(servers):
     s = servers(tp_size=2)
     eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="tensor")
