@@ -212,6 +212,17 @@ def test_grpo_summary_json_over_an_input_is_refused(which, tmp_path, capsys):
     assert target.read_bytes() == before
 
 
+@pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir"])
+def test_grpo_outputs_inside_the_initial_checkpoint_are_refused(flag, tmp_path, hf, capsys):
+    from quads_megatron.rl.arguments import parse_args
+
+    before = tree_hash(hf)
+    argv = TINY + ["--hf-checkpoint", str(hf), "--tensorboard-dir", str(tmp_path / "tb"), flag, str(hf / "run")]
+    rc, err = _run(parse_args, argv, capsys, prog=PROG)
+    assert rc == 2 and len(err) == 1 and f"{flag} {hf / 'run'} overlaps --hf-checkpoint {hf}" in err[0], err
+    assert tree_hash(hf) == before
+
+
 def test_export_save_dir_holding_the_recipe_is_refused_even_with_force(tmp_path, hf, capsys):
     out = tmp_path / "out"
     out.mkdir()
