@@ -16,7 +16,6 @@ import torch
 from quads_megatron import nvfp4
 from quads_megatron.errors import CheckpointError
 
-_GATE_UP = ("w1", "w3")
 
 
 def stage(layer: torch.nn.Module, name: str, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
@@ -31,15 +30,18 @@ def stage(layer: torch.nn.Module, name: str, loaded: torch.Tensor, shard_id: str
     layer.__dict__.setdefault("quads_staged", {})[(expert_id, shard_id)] = (name, loaded)
 
 
-def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name) -> None:
-    """Quantize every staged expert of ``layer`` into its NVFP4 parameters (grouped launches)."""
+def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name, fc1_shards: tuple) -> None:
+    """Quantize every staged expert of ``layer`` into its NVFP4 parameters (grouped launches).
+
+    fc1_shards: SGLang's shard ids of the rollout layout's fc1 pair (gate, up), which share one
+    weight_scale_2 (``quads_megatron.plan.layout.EXPERT_FC1``), in the order of w13's rows."""
     staged = layer.__dict__.pop("quads_staged", None)
     if not staged:
         return
     experts = sorted({e for e, _ in staged})
     for e in experts:
         have = {sid for x, sid in staged if x == e}
-        missing = [sid for sid in ("w1", "w2", "w3") if sid not in have]
+        missing = [sid for sid in (*fc1_shards, "w2") if sid not in have]
         if missing:
             raise CheckpointError(f"{tensor_name(layer, e, missing[0], 'w13_weight' if missing[0] != 'w2' else 'w2_weight')}: "
                                   f"missing from the BF16 weight update (the other projections of this expert came)")
@@ -58,7 +60,7 @@ def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name) -> None:
         return staged[(e, sid)][1].to(device)
 
     # fc1: gate and up of one expert share the amax of their full weights; this rank quantizes its rows
-    full13 = [get(e, sid) for e in owned for sid in _GATE_UP]
+    full13 = [get(e, sid) for e in owned for sid in fc1_shards]
     amax13, bad13 = nvfp4.amax_grouped(full13, scale_group=2, name="gate_proj/up_proj weights")
     q13 = nvfp4.quantize_grouped([t[rows] for t in full13], scale_group=2, amax=amax13, nonfinite=bad13)
     n = len(owned)
@@ -79,6 +81,6 @@ def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name) -> None:
         e, sid = (owned[i], "w1") if i < n else (owned[i - n], "w2")
         raise CheckpointError(f"{staged[(e, sid)][0]}: NaN or Inf in the BF16 weight update; NVFP4 can only "
                               f"encode finite values")
-    for pname, sids in (("w13_weight", _GATE_UP), ("w13_weight_scale", _GATE_UP), ("w2_weight", ("w2",)),
+    for pname, sids in (("w13_weight", fc1_shards), ("w13_weight_scale", fc1_shards), ("w2_weight", ("w2",)),
                         ("w2_weight_scale", ("w2",))):
         layer.quads_slices.mark(pname, [(s, sid) for s, _ in pairs for sid in sids])

@@ -27,7 +27,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
 from quads_megatron.integrity import MANIFEST, PRODUCER, check_loader_reads, require_manifest, verify_manifest
-from quads_megatron.plan.rollout_schema import (QUANT_METHOD, RolloutQuantConfig, is_modelopt_nvfp4,
+from quads_megatron.plan.rollout_schema import (QUANT_METHOD, RolloutQuantConfig, check_server_quantization,
                                                 parse_quantization_config)
 
 logger = logging.getLogger(__name__)
@@ -87,20 +87,17 @@ class QuadsConfig(ModelOptQuantConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:
-        """Keep `quads` when asked for, also over a ModelOpt NVFP4 checkpoint.
+        """The checkpoint decides; `--quantization` may only agree with it (`check_server_quantization`).
 
-        SGLang asks every registered config in order and the first answer wins; the plugin
-        registers `quads` first so ModelOpt's override cannot turn `--quantization quads`
-        into `modelopt_fp4`. Without `--quantization quads` a ModelOpt checkpoint stays ModelOpt.
+        `quads` for a QUADS checkpoint, and for a ModelOpt NVFP4 one under `--quantization quads`;
+        a flag that disagrees with the checkpoint is a ConfigError naming both. SGLang asks every
+        registered config in order and the first answer wins; the plugin registers `quads` first so
+        ModelOpt's override cannot turn `--quantization quads` into `modelopt_fp4`. Without
+        `--quantization quads` a ModelOpt checkpoint stays ModelOpt.
         """
         if not hf_quant_cfg:
             return None
-        is_quads = str(hf_quant_cfg.get("quant_method", "")).lower() == QUANT_METHOD
-        if user_quant == QUANT_METHOD and (is_quads or is_modelopt_nvfp4(hf_quant_cfg)):
-            return QUANT_METHOD
-        if user_quant is None and is_quads:
-            return QUANT_METHOD
-        return None
+        return check_server_quantization(hf_quant_cfg, user_quant, origin="the checkpoint's quantization config")
 
     # --- per-layer methods -----------------------------------------------------------
     def is_excluded(self, prefix: str) -> bool:

@@ -41,7 +41,9 @@ from quads_megatron.kernels import w4a4_linear
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
-from quads_megatron.plan.rollout_schema import GROUP_SIZE
+from quads_megatron.nvfp4 import BLOCK_SIZE
+from quads_megatron.plan.layout import (COMP_INDEX, COMP_INDEX_DTYPE, WEIGHT, WEIGHT_SCALE, block_scale_cols,
+                                        nvfp4_weight_specs, packed_cols)
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +139,15 @@ class QuadsLinearMethod(LinearMethodBase):
                        output_partition_sizes: List[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         name = self.prefix or type(layer).__name__
-        if input_size_per_partition % GROUP_SIZE:
+        if input_size_per_partition % BLOCK_SIZE:
             raise CheckpointError(f"{name}: NVFP4 needs the input size per partition to be a multiple "
-                                  f"of {GROUP_SIZE}, got {input_size_per_partition}")
+                                  f"of {BLOCK_SIZE}, got {input_size_per_partition}")
         rac = self.rollout.uses_rac
         k = self.rollout.rac_channels
         if rac and input_size_per_partition != input_size:
             raise ConfigError(
                 f"{name}: RAC on a row-parallel layer with TP > 1 needs per-rank compensation "
-                f"channels; serve with precision w4a4 (QUADS_PRECISION=w4a4) or "
+                f"channels; export the checkpoint with --rollout-precision w4a4, or serve "
                 f"without tensor parallelism for this layer")
         if rac:
             self.rollout.check_input_size(input_size_per_partition, name)
@@ -162,12 +164,11 @@ class QuadsLinearMethod(LinearMethodBase):
         def loader(pname: str):
             return checked_loader(weight_loader, functools.partial(self._check_loaded, layer, pname))
 
-        layer.register_parameter("weight", ModelWeightParameter(
-            data=torch.empty(n, input_size_per_partition // 2, dtype=torch.uint8),
-            input_dim=1, output_dim=0, weight_loader=loader("weight")))
-        layer.register_parameter("weight_scale", ModelWeightParameter(
-            data=torch.empty(n, input_size_per_partition // GROUP_SIZE, dtype=torch.float8_e4m3fn),
-            input_dim=1, output_dim=0, weight_loader=loader("weight_scale")))
+        specs = nvfp4_weight_specs(n, input_size_per_partition)  # the rollout layout (plan.layout)
+        for pname in (WEIGHT, WEIGHT_SCALE):
+            shape, dtype = specs[pname]
+            layer.register_parameter(pname, ModelWeightParameter(
+                data=torch.empty(shape, dtype=dtype), input_dim=1, output_dim=0, weight_loader=loader(pname)))
         # NaN marks "not loaded": process_weights_after_loading names the missing tensor.
         for pname in ("weight_scale_2", "input_scale"):
             p = PerTensorScaleParameter(data=torch.full((shards,), float("nan"), dtype=torch.float32),
@@ -175,8 +176,8 @@ class QuadsLinearMethod(LinearMethodBase):
             set_weight_attrs(p, {"needs_scalar_to_array": True})
             layer.register_parameter(pname, p)
         if rac:
-            layer.register_parameter("input_comp_index", PerShardIndexParameter(
-                data=torch.full((shards * k,), _UNSET_INDEX, dtype=torch.int32),
+            layer.register_parameter(COMP_INDEX, PerShardIndexParameter(
+                data=torch.full((shards * k,), _UNSET_INDEX, dtype=COMP_INDEX_DTYPE),
                 weight_loader=weight_loader, num_shards=shards, k_in=input_size_per_partition,
                 shard_name=lambda s: self.tensor_name(layer, s, "input_comp_index")))
 
@@ -188,9 +189,9 @@ class QuadsLinearMethod(LinearMethodBase):
         k = layer.quads_input_size
         rows = _full_rows(layer, shards)
         if pname == "weight":
-            loaded = check_packed_codes(name, loaded, (rows, k // 2))
+            loaded = check_packed_codes(name, loaded, (rows, packed_cols(k)))
         elif pname == "weight_scale":
-            loaded = as_block_scale(name, loaded, (rows, k // GROUP_SIZE))
+            loaded = as_block_scale(name, loaded, (rows, block_scale_cols(k)))
         elif shard_id is None and loaded.numel() == len(shards) > 1:  # a pre-fused per-shard scale vector
             for i, s in enumerate(shards):
                 check_tensor_scale(self.tensor_name(layer, s, pname), loaded.reshape(-1)[i], "scale")

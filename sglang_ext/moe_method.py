@@ -39,11 +39,15 @@ from quads_megatron.kernels import w4a4_fused_moe
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
-from quads_megatron.plan.rollout_schema import GROUP_SIZE
+from quads_megatron.nvfp4 import BLOCK_SIZE
+from quads_megatron.plan.layout import (COMP_INDEX_DTYPE, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
+                                        block_scale_cols, nvfp4_weight_specs, packed_cols)
 
 _SHARD_COLUMN = {"w1": 0, "w3": 1}
 _UNSET_INDEX = -1
-_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # HF names of SGLang's expert shards
+# HF names of SGLang's expert shards (w1, w3: the layout's fc1 pair, sharing a scale and an input; w2: fc2)
+_PROJ = {"w1": EXPERT_FC1[0], "w3": EXPERT_FC1[1], "w2": EXPERT_FC2[0]}
+FC1_SHARDS = tuple(sid for proj in EXPERT_FC1 for sid, p in _PROJ.items() if p == proj)
 _TRACKED = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
 
@@ -96,16 +100,16 @@ class QuadsMoEMethod(FusedMoEMethodBase):
                 f"activation={cfg.activation!r}, is_gated={cfg.is_gated}, with_bias={with_bias}, "
                 f"apply_router_weight_on_input={cfg.apply_router_weight_on_input}")
         h, f = hidden_size, intermediate_size_per_partition
-        if h % GROUP_SIZE or f % GROUP_SIZE:
+        if h % BLOCK_SIZE or f % BLOCK_SIZE:
             raise CheckpointError(f"{name}: NVFP4 needs hidden size ({h}) and intermediate size per "
-                                  f"partition ({f}) to be multiples of {GROUP_SIZE}")
+                                  f"partition ({f}) to be multiples of {BLOCK_SIZE}")
         k = self.rollout.rac_channels
         if self.rollout.uses_rac:
             if layer.moe_tp_size > 1:
                 raise ConfigError(
                     f"{name}: RAC with expert tensor parallelism (moe_tp_size = "
                     f"{layer.moe_tp_size}) needs per-rank fc2 channels; use expert parallelism "
-                    f"(--ep-size equal to --tp-size) or QUADS_PRECISION=w4a4")
+                    f"(--ep-size equal to --tp-size) or export the checkpoint with --rollout-precision w4a4")
             self.rollout.check_input_size(h, f"{name} (gate_proj / up_proj)")
             self.rollout.check_input_size(f, f"{name} (down_proj)")
         e, e_global = num_experts, layer.num_experts
@@ -122,13 +126,12 @@ class QuadsMoEMethod(FusedMoEMethodBase):
                 checked = functools.partial(self._load_weight, layer, checked)
             set_weight_attrs(p, {"weight_loader": checked, **attrs})
 
-        add("w13_weight", torch.empty(e, 2 * f, h // 2, dtype=torch.uint8))
-        add("w2_weight", torch.empty(e, h, f // 2, dtype=torch.uint8))
         block = FusedMoeWeightScaleSupported.BLOCK.value
-        add("w13_weight_scale", torch.empty(e, 2 * f, h // GROUP_SIZE, dtype=torch.float8_e4m3fn),
-            quant_method=block)
-        add("w2_weight_scale", torch.empty(e, h, f // GROUP_SIZE, dtype=torch.float8_e4m3fn),
-            quant_method=block)
+        for which, (n, k_in) in (("w13", (2 * f, h)), ("w2", (h, f))):  # the rollout layout (plan.layout)
+            specs = nvfp4_weight_specs(n, k_in, lead=(e,))
+            add(f"{which}_weight", torch.empty(specs[WEIGHT][0], dtype=specs[WEIGHT][1]))
+            add(f"{which}_weight_scale", torch.empty(specs[WEIGHT_SCALE][0], dtype=specs[WEIGHT_SCALE][1]),
+                quant_method=block)
         tensor = FusedMoeWeightScaleSupported.TENSOR.value
         add("w13_weight_scale_2", _nan(e, 2), quant_method=tensor)
         add("w2_weight_scale_2", _nan(e), quant_method=tensor)
@@ -140,7 +143,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         add("w2_input_scale", _nan(e_global), scalar_loader)
         if self.rollout.uses_rac:
             for pname, shape in (("w13_input_comp_index", (e, 2, k)), ("w2_input_comp_index", (e, k))):
-                add(pname, torch.full(shape, _UNSET_INDEX, dtype=torch.int32), local_loader)
+                add(pname, torch.full(shape, _UNSET_INDEX, dtype=COMP_INDEX_DTYPE), local_loader)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         """No SGLang MoeRunner: `apply` calls the QUADS kernel on standard top-k output."""
@@ -163,9 +166,9 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         fc1 = shard_id != "w2"
         rows, k_in = (f, h) if fc1 else (h, f)
         if pname.endswith("_weight"):
-            loaded = check_packed_codes(name, loaded, (rows, k_in // 2))
+            loaded = check_packed_codes(name, loaded, (rows, packed_cols(k_in)))
         elif pname.endswith("_weight_scale"):
-            loaded = as_block_scale(name, loaded, (rows, k_in // GROUP_SIZE))
+            loaded = as_block_scale(name, loaded, (rows, block_scale_cols(k_in)))
         elif pname.endswith("_comp_index"):
             loaded = check_comp_index(name, loaded, self.rollout.rac_channels, k_in)
         else:
@@ -199,25 +202,25 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         """Every local expert's tensors were written by some load (else: uninitialized memory)."""
         e = layer.num_local_experts
         for pname in _TRACKED:
-            sids = ("w1", "w3") if pname.startswith("w13") else ("w2",)
+            sids = FC1_SHARDS if pname.startswith("w13") else ("w2",)
             missing = layer.quads_slices.missing(pname, [(i, sid) for i in range(e) for sid in sids])
             if missing:
                 raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint")
-        for pname, sids in (("w13_weight_scale_2", ("w1", "w3")), ("w2_weight_scale_2", ("w2",))):
+        for pname, sids in (("w13_weight_scale_2", FC1_SHARDS), ("w2_weight_scale_2", ("w2",))):
             t = getattr(layer, pname).detach().reshape(e, -1)
             missing = [(int(i), sids[int(j)]) for i, j in torch.nonzero(torch.isnan(t)).tolist()]
             if missing:
                 raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint "
                                       f"(expected one positive float32 per-tensor scale)")
         if self.rollout.static_activation_scale:
-            for pname, sids in (("w13_input_scale", ("w1", "w3")), ("w2_input_scale", ("w2",))):
+            for pname, sids in (("w13_input_scale", FC1_SHARDS), ("w2_input_scale", ("w2",))):
                 t = getattr(layer, pname).detach().reshape(layer.num_experts, -1)
                 missing = [(int(i), sids[int(j)]) for i, j in torch.nonzero(torch.isnan(t)).tolist()]
                 if missing:
                     raise CheckpointError(f"{self._names(layer, missing, pname, local=False)}: missing from the "
                                           f"checkpoint (activation_scaling 'static' needs every input_scale)")
         if self.rollout.uses_rac:
-            for pname, sids in (("w13_input_comp_index", ("w1", "w3")), ("w2_input_comp_index", ("w2",))):
+            for pname, sids in (("w13_input_comp_index", FC1_SHARDS), ("w2_input_comp_index", ("w2",))):
                 t = getattr(layer, pname).detach()
                 unset = (t == _UNSET_INDEX).any(-1).reshape(e, -1)
                 missing = [(int(i), sids[int(j)]) for i, j in torch.nonzero(unset).tolist()]
@@ -228,7 +231,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = self.prefix or "FusedMoE"
-        bf16_sync.quantize_staged(layer, _local_slots, self.tensor_name)
+        bf16_sync.quantize_staged(layer, _local_slots, self.tensor_name, FC1_SHARDS)
         self._check_complete(layer)
         ws13 = layer.w13_weight_scale_2.detach()
         differ = (ws13[:, 0] != ws13[:, 1]).nonzero().flatten().tolist()

@@ -74,7 +74,7 @@ def main():
     from quads_megatron.megatron.fake_quant import ExpertsFakeQuant
     from quads_megatron.plan import QuantPlan, quantize_scale_groups
     from quads_megatron.recipe import QuadsRecipe
-    from quads_megatron.rl.engines.precision import NVFP4Experts, load_quantized
+    from quads_megatron.rollout.modules import NVFP4Experts, load_quantized
     from quads_megatron.vocab import Precision
 
     L, E, H, F = a.num_layers, a.num_experts, a.hidden_size, a.moe_ffn_hidden_size

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from quads_megatron import nvfp4, vocab
 from quads_megatron.convert import cli
 from quads_megatron.models import qwen3_moe
-from quads_megatron.convert.calibration import calibrate, load_prompts, random_prompts
+from quads_megatron.convert.calibration import load_prompts, random_prompts
 from quads_megatron.convert.hf_checkpoint import (TOKENIZER_FILES, HFCheckpoint, ShardedSafetensorsWriter,
                                                   check_finite, check_tokenizer_dir, copy_side_files, format_listing,
                                                   side_files,
@@ -32,9 +32,10 @@ from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.convert.megatron_to_hf import RECIPE_FILE
 from quads_megatron.output_dir import atomic_output_dir, claim_output
 from quads_megatron.plan import QuantPlan, quantize_scale_groups
-from quads_megatron.plan.named_params import modelopt_names
+from quads_megatron.plan.layout import NVFP4_WEIGHT_KEYS, RolloutLayout, modelopt_names
 from quads_megatron.recipe import add_recipe_args
-from quads_megatron.vocab import ActivationScaling, Precision, Scope
+from quads_megatron.rollout import CALIBRATION_DTYPE, RolloutModel
+from quads_megatron.vocab import ActivationScaling, Precision
 
 FORMATS = ("quads", "modelopt")
 PRODUCER = {"name": "quads-megatron", "version": "0.1.0"}
@@ -78,75 +79,9 @@ def load_recipe(args):
     return recipe
 
 
-def _activation_entries(t):
-    """ModelOpt/QUADS activation-side tensor entries of one quantized linear: {suffix: (shape, dtype)}."""
-    out = {}
-    if t.rollout.quantizes_activations:
-        out["input_scale"] = ((), torch.float32)
-    if t.rollout.uses_rac:
-        out["input_comp_index"] = ((t.rac_channels,), torch.int32)
-    return out
-
-
 def rollout_specs(plan: QuantPlan) -> tuple:
     """``({name: shape}, {name: dtype})`` of every tensor of the rollout checkpoint (dtype None: as in HF)."""
-    shapes, dtypes = {}, {}
-    for name, shape in qwen3_moe.hf_shapes(plan.dims).items():
-        t = plan[name]
-        if t is None or not t.quantized:
-            shapes[name] = shape
-            continue
-        N, K = shape
-        entries = {"weight": ((N, K // 2), torch.uint8), "weight_scale": ((N, K // 16), torch.float8_e4m3fn),
-                   "weight_scale_2": ((), torch.float32), **_activation_entries(t)}
-        for suffix, (shp, dtype) in entries.items():
-            shapes[f"{t.module}.{suffix}"], dtypes[f"{t.module}.{suffix}"] = shp, dtype
-    return shapes, dtypes
-
-
-def _rac_sets(plan, layer, quantized, calib):
-    """{HF weight name: int32 comp index} for the RAC linears of one layer."""
-    out = {}
-    k = plan.rac_channels
-    deq = {n: q.dequantize(torch.float32).cpu() for n, q in quantized.items()}
-    E = plan.dims.num_experts
-    ex = f"model.layers.{layer}.mlp.experts"
-    if f"{ex}.0.gate_proj.weight" in deq and plan[f"{ex}.0.gate_proj.weight"].rollout.uses_rac:
-        w13 = torch.stack([torch.cat([deq[f"{ex}.{e}.gate_proj.weight"], deq[f"{ex}.{e}.up_proj.weight"]])
-                           for e in range(E)])
-        w2 = torch.stack([deq[f"{ex}.{e}.down_proj.weight"] for e in range(E)])
-        fc1, fc2 = calib[layer].comp_indices(w13, w2, k)
-        for e in range(E):
-            out[f"{ex}.{e}.gate_proj.weight"] = out[f"{ex}.{e}.up_proj.weight"] = fc1
-            out[f"{ex}.{e}.down_proj.weight"] = fc2[e]
-    at = f"model.layers.{layer}.self_attn"
-    qkv_names = [f"{at}.{p}_proj.weight" for p in "qkv"]
-    o_name = f"{at}.o_proj.weight"
-    qkv_rac = qkv_names[0] in deq and plan[qkv_names[0]].rollout.uses_rac
-    o_rac = o_name in deq and plan[o_name].rollout.uses_rac
-    if qkv_rac or o_rac:
-        w_qkv = torch.cat([deq[n] for n in qkv_names]) if qkv_rac else None
-        a = calib[layer].attn
-        qkv_set = rac_set(a.qkv_stats, w_qkv, k) if qkv_rac else None
-        for n in qkv_names if qkv_rac else []:
-            out[n] = qkv_set
-        if o_rac:
-            out[o_name] = rac_set(a.o_stats, deq[o_name], k)
-    return out
-
-
-def rac_set(stats, w_deq, k):
-    """One RAC channel set from activation statistics and the dequantized weight's column norms."""
-    from quads_megatron import rac
-
-    return rac.calibrate_comp_channels(stats, rac.weight_column_norm_sq(w_deq, per_expert=False), k)
-
-
-def _input_amax(t, calib):
-    c = calib[t.layer]
-    if t.scope is Scope.ROUTED_EXPERTS:
-        return c.fc2_amax[t.expert] if t.name.endswith("down_proj.weight") else c.fc1_amax
-    return c.attn.o_amax if t.name.endswith("o_proj.weight") else c.attn.qkv_amax
+    return RolloutLayout(plan).tensor_specs(qwen3_moe.hf_shapes(plan.dims))
 
 
 def _layer_names(dims):
@@ -160,31 +95,24 @@ def _layer_names(dims):
     return groups
 
 
-def rollout_tensors(ckpt, plan: QuantPlan, calib, device="cpu"):
-    """Yield every ``(name, tensor)`` of the rollout checkpoint, one layer at a time.
-
-    A layer is quantized as a whole first because its RAC channel ranking needs all its
-    quantized weights (fc1 and q/k/v share one set across the weights that read one input).
-    """
-    for layer, names in _layer_names(plan.dims):
+def rollout_tensors(ckpt, plan: QuantPlan, calibration, device="cpu"):
+    """Yield every ``(name, tensor)`` of the rollout checkpoint, one layer at a time: the NVFP4 triples of
+    the plan's weights, their activation-side tensors from ``calibration`` (``plan.calibration.Calibration``,
+    None when the rollout keeps activations high precision), everything else as it is."""
+    for _layer, names in _layer_names(plan.dims):
         stream = ((n, ckpt.get(n).to(device)) for n in names)
-        groups = list(quantize_scale_groups(stream, plan))
-        quantized = {n: q for ns, _, qs in groups if qs is not None for n, q in zip(ns, qs)}
-        comp = _rac_sets(plan, layer, quantized, calib) if layer is not None and quantized else {}
-        for ns, ts, qs in groups:
+        for ns, ts, qs in quantize_scale_groups(stream, plan):
             if qs is None:
                 yield ns[0], ts[0]
                 continue
             for name, q in zip(ns, qs):
                 t = plan[name]
                 triple = q.to_modelopt()
-                for out, key in zip(modelopt_names(name), ("weight", "weight_scale", "weight_scale_2")):
+                for out, key in zip(modelopt_names(name), NVFP4_WEIGHT_KEYS):
                     yield out, triple[key]
                 if t.rollout.quantizes_activations:
-                    yield f"{t.module}.input_scale", nvfp4.global_decode_scale(
-                        _input_amax(t, calib).to(torch.float32)).reshape(())
-                if t.rollout.uses_rac:
-                    yield f"{t.module}.input_comp_index", comp[name].to(torch.int32).contiguous().clone()
+                    for suffix, value in calibration.for_weight(name).items():
+                        yield f"{t.module}.{suffix}", value
 
 
 def quant_configs(fmt: str, plan: QuantPlan, calib_info: dict) -> tuple:
@@ -282,9 +210,9 @@ def _export(args, recipe, inputs) -> Path | None:
         print(format_listing(writer.listing, writer.close() + ["config.json", "hf_quant_config.json"]))
         return None
 
-    calib, calib_info = {}, {}
+    calib, calib_info = None, {}
     if plan.rollout_precision.quantizes_activations:
-        calib, calib_info = run_calibration(args, dims, plan)
+        calib, calib_info = run_calibration(args, dims, plan, ckpt.config)
     qc, summary = quant_configs(args.format, plan, calib_info)
     with atomic_output_dir(args.save_dir, force=args.force, inputs=inputs) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_bytes)
@@ -300,9 +228,10 @@ def _export(args, recipe, inputs) -> Path | None:
     return Path(args.save_dir)
 
 
-def run_calibration(args, dims, plan):
-    """Calibrate input amax (and RAC channels) with the BF16 HF model on the calibration prompts."""
-    from transformers import Qwen3MoeForCausalLM
+def run_calibration(args, dims, plan, config: dict):
+    """The plan's calibration (``plan.calibration``) of the model as served: the rollout model built from the HF
+    weights (NVFP4 modules, fp32) runs the calibration prompts; returns (Calibration, info for config.json)."""
+    from transformers import Qwen3MoeConfig
 
     if args.calib_data:
         prompts = load_prompts(args.calib_data, args.tokenizer_dir or args.load_dir,
@@ -314,16 +243,15 @@ def run_calibration(args, dims, plan):
         prompts = random_prompts(dims.vocab_size, num_samples=args.calib_size, seq_len=args.calib_seq_len,
                                  seed=args.seed)
         source = f"random(seed={args.seed})"
-    # safetensors only (no pickled *.bin); HFCheckpoint already checked every file it will read
-    model = Qwen3MoeForCausalLM.from_pretrained(args.load_dir, dtype=torch.bfloat16,
-                                                use_safetensors=True).to(args.device)
-    attention = any(t.quantized for t in plan if t.scope is Scope.ATTENTION)
-    calib = calibrate(model, prompts, rac_stats=plan.rac_channels > 0,
-                      static_scaling=plan.activation_scaling is ActivationScaling.STATIC,
-                      attention=attention, progress=not args.no_progress)
+    hf_config = Qwen3MoeConfig.from_dict(config)
+    model = RolloutModel(hf_config, plan, dtype=CALIBRATION_DTYPE, device=resolve_device(args.device))
+    with HFCheckpoint(args.load_dir) as ckpt:
+        model.load_weights((n, ckpt.get(n)) for n in qwen3_moe.hf_shapes(dims))
+    model.calibrate(prompts, progress=not args.no_progress)
+    calibration = model.calibration
     del model
     info = {"source": source, "num_samples": len(prompts), "num_tokens": int(sum(p.numel() for p in prompts))}
-    return calib, info
+    return calibration, info
 
 
 def main(argv=None):

@@ -20,6 +20,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.errors import NonFiniteError
+from quads_megatron.plan.layout import NVFP4_WEIGHT_KEYS, modelopt_names
 from quads_megatron.plan.quant_plan import QuantPlan
 
 Named = Tuple[str, torch.Tensor]
@@ -138,12 +139,6 @@ def _check_scales(batches) -> None:
                              f"NVFP4 can only encode finite values")
 
 
-def modelopt_names(weight_name: str) -> List[str]:
-    """ModelOpt tensor names of the NVFP4 triple that replaces HF weight ``weight_name``."""
-    base = weight_name[: -len(".weight")]
-    return [f"{base}.weight", f"{base}.weight_scale", f"{base}.weight_scale_2"]
-
-
 def quantize_named_params(named_tensors: Iterable[Named], plan: QuantPlan) -> Iterator[Named]:
     """Yield the rollout's ``(name, tensor)``: NVFP4 triples where the plan says so, the rest as given."""
     for names, tensors, quantized in quantize_scale_groups(named_tensors, plan):
@@ -152,5 +147,5 @@ def quantize_named_params(named_tensors: Iterable[Named], plan: QuantPlan) -> It
             continue
         for name, q in zip(names, quantized):
             triple = q.to_modelopt()
-            for out_name, key in zip(modelopt_names(name), ("weight", "weight_scale", "weight_scale_2")):
+            for out_name, key in zip(modelopt_names(name), NVFP4_WEIGHT_KEYS):
                 yield out_name, triple[key]

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from quads_megatron.models import qwen3_moe
+from quads_megatron.nvfp4 import BLOCK_SIZE
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 from quads_megatron.recipe import QuadsRecipe
 from quads_megatron.vocab import ActivationScaling, Precision, Scope
 
-BLOCK = 16
 # The parallel group over which a sharded weight's amax is MAX-reduced (Megatron's names).
 TENSOR_PARALLEL = "tensor_model_parallel"
 EXPERT_TENSOR_PARALLEL = "expert_tensor_parallel"
@@ -142,14 +142,14 @@ class QuantPlan:
             size = (self.etp if t.scope is Scope.ROUTED_EXPERTS else self.tp) if t.train.quantizes_weights else 1
             row_parallel = t.name.endswith(("down_proj.weight", "o_proj.weight"))
             k_rank, n_rank = (k // size, n) if row_parallel else (k, n // size)
-            if k % size or k_rank % BLOCK:
+            if k % size or k_rank % BLOCK_SIZE:
                 raise ValueError(f"QuantPlan: {t.name} has K={k}, {k_rank} per rank over {size} "
-                                 f"rank(s); NVFP4 needs K per rank to be a multiple of {BLOCK} "
+                                 f"rank(s); NVFP4 needs K per rank to be a multiple of {BLOCK_SIZE} "
                                  f"so that no block straddles a shard boundary")
-            if t.block_shape == (16, 16) and (n_rank % BLOCK or (t.scope is Scope.ATTENTION
-                                                                 and d.head_dim % BLOCK)):
+            if t.block_shape == (16, 16) and (n_rank % BLOCK_SIZE or (t.scope is Scope.ATTENTION
+                                                                 and d.head_dim % BLOCK_SIZE)):
                 raise ValueError(f"QuantPlan: {t.name}: 16x16 tiles need N per rank ({n_rank}) "
-                                 f"and head_dim ({d.head_dim}) to be multiples of {BLOCK}")
+                                 f"and head_dim ({d.head_dim}) to be multiples of {BLOCK_SIZE}")
             if t.rac_channels > k:
                 raise ValueError(f"QuantPlan: rac_channels={t.rac_channels} exceeds the "
                                  f"{k} input channels of {t.name}")

@@ -26,36 +26,32 @@ The exporter also writes ``hf_quant_config.json``: ModelOpt's summary under "qua
 this block under "quads" (read when config.json carries no ``quantization_config``).
 A plain ModelOpt NVFP4 checkpoint (config.json ``quant_method: "modelopt"`` or an
 ``hf_quant_config.json``) is read too: W4A4 with its static ``input_scale`` (ModelOpt's own
-semantics), W4A16 for ``W4A16_NVFP4``, RAC off.  A serving process may override the
-checkpoint's choice with ``QUADS_PRECISION``, ``QUADS_ACTIVATION_SCALING`` and
-``QUADS_RAC_CHANNELS`` (SGLang's spawned scheduler processes inherit them); they are read
-here and nowhere else.
+semantics), W4A16 for ``W4A16_NVFP4``, RAC off.  The checkpoint is the only switch: no
+environment variable or server flag changes precision, RAC width or scaling (a server flag
+that names another quantization method than the checkpoint's is a ``ConfigError``,
+``check_server_quantization``).
 
 Every bad field is a ``CheckpointError`` naming the file and the field (``config.json
 quantization_config.rac_channels: ...``): wrong types, unknown values, unknown quads keys, a
 flat config without ``quant_method``, a ``quads`` block that is not ``quant_method: "quads"``,
 an ``exclude_modules`` string (refused, not read as a list of one: write ``["lm_head"]``), a
 ``rac_index_tensor`` other than ``input_comp_index`` (the only name the loader reads).
-A bad environment override is a ``ConfigError`` naming the variable.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from quads_megatron import vocab
 from quads_megatron.errors import CheckpointError, ConfigError
+from quads_megatron.nvfp4 import BLOCK_SIZE
+from quads_megatron.plan.layout import COMP_INDEX
 from quads_megatron.vocab import ActivationScaling, Precision
 
 QUANT_METHOD = "quads"
 WEIGHT_FORMAT = "NVFP4"
-GROUP_SIZE = 16
-COMP_INDEX_TENSOR = "input_comp_index"
-ENV_PRECISION = "QUADS_PRECISION"
-ENV_ACTIVATION_SCALING = "QUADS_ACTIVATION_SCALING"
-ENV_RAC_CHANNELS = "QUADS_RAC_CHANNELS"
+COMP_INDEX_TENSOR = COMP_INDEX
 MODELOPT_NVFP4_ALGOS = {"NVFP4": Precision.W4A4, "W4A16_NVFP4": Precision.W4A16}
 MODELOPT_METHODS = ("modelopt", "modelopt_fp4")
 DEFAULT_ORIGIN = "quantization_config"
@@ -73,7 +69,7 @@ class RolloutQuantConfig:
     activation_scaling: ActivationScaling = ActivationScaling.PER_TOKEN
     rac_channels: int = 0
     exclude_modules: List[str] = field(default_factory=list)
-    group_size: int = GROUP_SIZE
+    group_size: int = BLOCK_SIZE
     weight_format: str = WEIGHT_FORMAT
     rac_index_tensor: str = COMP_INDEX_TENSOR
     source: str = QUANT_METHOD  # "quads" or "modelopt": which checkpoint format was read
@@ -98,14 +94,14 @@ class RolloutQuantConfig:
         """Raise a CheckpointError naming the field for anything outside what the kernels support."""
         if not isinstance(self.weight_format, str) or self.weight_format.upper() != WEIGHT_FORMAT:
             self._fail("quant_algo", f"expected {WEIGHT_FORMAT!r}, got {self.weight_format!r}")
-        if not _is_int(self.group_size) or self.group_size != GROUP_SIZE:
-            self._fail("group_size", f"NVFP4 uses the integer {GROUP_SIZE}, got {self.group_size!r}")
+        if not _is_int(self.group_size) or self.group_size != BLOCK_SIZE:
+            self._fail("group_size", f"NVFP4 uses the integer {BLOCK_SIZE}, got {self.group_size!r}")
         if not self.precision.quantizes_weights:
             self._fail("precision", f"{self.precision.value!r} has no NVFP4 weights, so it is not a quantized "
                                     "checkpoint (drop quantization_config, or use w4a16 / w4a4 / w4a4_rac)")
         k = self.rac_channels
-        if not _is_int(k) or k < 0 or k % GROUP_SIZE:
-            self._fail("rac_channels", f"expected an integer multiple of {GROUP_SIZE} >= 0, got {k!r}")
+        if not _is_int(k) or k < 0 or k % BLOCK_SIZE:
+            self._fail("rac_channels", f"expected an integer multiple of {BLOCK_SIZE} >= 0, got {k!r}")
         if self.precision.uses_rac and k == 0:
             self._fail("rac_channels", "precision 'w4a4_rac' needs rac_channels > 0 (and input_comp_index "
                                        "tensors in the checkpoint), got 0")
@@ -178,7 +174,7 @@ def _from_modelopt(config: Mapping[str, Any], origin: str) -> RolloutQuantConfig
         activation_scaling=ActivationScaling.STATIC,
         rac_channels=0,
         exclude_modules=exclude if not isinstance(exclude, (list, tuple)) else list(exclude),
-        group_size=section.get("group_size", GROUP_SIZE),
+        group_size=section.get("group_size", BLOCK_SIZE),
         source="modelopt",
         origin=where,
     )
@@ -215,19 +211,17 @@ def _from_quads(config: Mapping[str, Any], origin: str) -> RolloutQuantConfig:
         activation_scaling=config.get("activation_scaling", ActivationScaling.PER_TOKEN.value),
         rac_channels=config.get("rac_channels", 0),
         exclude_modules=config.get("exclude_modules", []),
-        group_size=config.get("group_size", GROUP_SIZE),
+        group_size=config.get("group_size", BLOCK_SIZE),
         weight_format=config.get("quant_algo", WEIGHT_FORMAT),
         rac_index_tensor=config.get("rac_index_tensor", COMP_INDEX_TENSOR),
         origin=origin,
     )
 
 
-def parse_quantization_config(config: Mapping[str, Any], env: Optional[Mapping[str, str]] = None,
-                              origin: str = DEFAULT_ORIGIN) -> RolloutQuantConfig:
+def parse_quantization_config(config: Mapping[str, Any], origin: str = DEFAULT_ORIGIN) -> RolloutQuantConfig:
     """RolloutQuantConfig from a config.json ``quantization_config`` or an hf_quant_config.json dict.
 
-    ``origin`` names the file and section in errors (``"<dir>/config.json quantization_config"``);
-    ``env`` (default os.environ) supplies the serving-time overrides (module docstring).
+    ``origin`` names the file and section in errors (``"<dir>/config.json quantization_config"``).
     """
     if not isinstance(config, Mapping):
         raise CheckpointError(f"{origin}: expected a JSON object, got {type(config).__name__}")
@@ -243,41 +237,56 @@ def parse_quantization_config(config: Mapping[str, Any], env: Optional[Mapping[s
     if method is not None and not isinstance(method, str):
         raise CheckpointError(f"{origin}.quant_method: expected a string, got {method!r}")
     if isinstance(method, str) and method.lower() == QUANT_METHOD:
-        parsed = _from_quads(config, origin)
-    elif is_modelopt_nvfp4(config) or (isinstance(method, str) and method.lower() in MODELOPT_METHODS):
-        parsed = _from_modelopt(config, origin)
-    elif method is None and not _is_nested(config):
+        return _from_quads(config, origin)
+    if is_modelopt_nvfp4(config) or (isinstance(method, str) and method.lower() in MODELOPT_METHODS):
+        return _from_modelopt(config, origin)
+    if method is None and not _is_nested(config):
         raise CheckpointError(f"{origin}.quant_method: missing (expected 'quads', or 'modelopt' with quant_algo "
                               f"NVFP4); refusing to guess the format")
-    else:
-        raise CheckpointError(f"{origin}.quant_method: expected 'quads' or a ModelOpt NVFP4 config, got "
-                              f"quant_method {method!r} / quant_algo {_modelopt_section(config).get('quant_algo')!r}")
-    return apply_env_overrides(parsed, os.environ if env is None else env)
+    raise CheckpointError(f"{origin}.quant_method: expected 'quads' or a ModelOpt NVFP4 config, got "
+                          f"quant_method {method!r} / quant_algo {_modelopt_section(config).get('quant_algo')!r}")
 
 
-def apply_env_overrides(cfg: RolloutQuantConfig, env: Mapping[str, str]) -> RolloutQuantConfig:
-    """Apply QUADS_PRECISION / QUADS_ACTIVATION_SCALING / QUADS_RAC_CHANNELS (a bad value: ConfigError)."""
-    fields = dict(precision=cfg.precision, activation_scaling=cfg.activation_scaling,
-                  rac_channels=cfg.rac_channels, exclude_modules=list(cfg.exclude_modules),
-                  group_size=cfg.group_size, weight_format=cfg.weight_format,
-                  rac_index_tensor=cfg.rac_index_tensor, source=cfg.source, origin=cfg.origin)
-    try:
-        if env.get(ENV_PRECISION):
-            fields["precision"] = vocab.parse_precision(env[ENV_PRECISION], ENV_PRECISION)
-        if env.get(ENV_ACTIVATION_SCALING):
-            fields["activation_scaling"] = vocab.parse_scaling(env[ENV_ACTIVATION_SCALING], ENV_ACTIVATION_SCALING)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if env.get(ENV_RAC_CHANNELS):
-        try:
-            fields["rac_channels"] = int(env[ENV_RAC_CHANNELS])
-        except ValueError:
-            raise ConfigError(f"{ENV_RAC_CHANNELS}: expected an integer, got {env[ENV_RAC_CHANNELS]!r}") from None
-    overridden = any(env.get(v) for v in (ENV_PRECISION, ENV_ACTIVATION_SCALING, ENV_RAC_CHANNELS))
-    if not overridden:
-        return cfg
-    fields["origin"] = f"{cfg.origin} with the QUADS_* environment overrides"
-    try:
-        return RolloutQuantConfig(**fields)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+def checkpoint_method(config: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """What a checkpoint's quantization config says it is: "quads", "modelopt_fp4" (ModelOpt NVFP4, which the
+    quads method serves as it is), another method's name, or None for an unquantized checkpoint."""
+    if not config:
+        return None
+    method = config.get("quant_method") if isinstance(config, Mapping) else None
+    if isinstance(method, str) and method.lower() == QUANT_METHOD:
+        return QUANT_METHOD
+    if isinstance(config, Mapping) and isinstance(config.get(QUANT_METHOD), Mapping):
+        return QUANT_METHOD  # hf_quant_config.json of a QUADS export
+    if is_modelopt_nvfp4(config):
+        return "modelopt_fp4"
+    if isinstance(method, str):
+        return method.lower()
+    algo = _modelopt_section(config).get("quant_algo") if isinstance(config, Mapping) else None
+    return f"modelopt ({algo})" if algo is not None else "unknown"
+
+
+def check_server_quantization(config: Optional[Mapping[str, Any]], flag: Optional[str],
+                              origin: str = DEFAULT_ORIGIN) -> Optional[str]:
+    """The method a server serves a checkpoint with: the checkpoint decides; an explicit ``--quantization``
+    flag must agree with it.
+
+    ``--quantization quads`` serves a QUADS or a ModelOpt NVFP4 checkpoint (the plan of a ModelOpt checkpoint
+    is its own: W4A4, static input_scale, no RAC). Returns "quads" when the quads method serves it, None
+    when the checkpoint is not ours and no quads flag was given. ConfigError naming both values for
+    ``--quantization quads`` on another method's checkpoint (or an unquantized one), or another
+    ``--quantization`` on a QUADS checkpoint.
+    """
+    method = checkpoint_method(config)
+    if flag is not None and flag.lower() == QUANT_METHOD:
+        if method in (QUANT_METHOD, "modelopt_fp4"):
+            return QUANT_METHOD
+        found = "no quantization_config (an unquantized checkpoint)" if method is None else f"quant_method {method!r}"
+        raise ConfigError(f"--quantization {flag}: the checkpoint ({origin}) says {found}; the quads method "
+                          f"serves QUADS or ModelOpt NVFP4 checkpoints (export one with quads-export-rollout)")
+    if method == QUANT_METHOD:
+        if flag is not None:
+            raise ConfigError(f"--quantization {flag}: the checkpoint ({origin}) says quant_method 'quads'; its "
+                              f"precision, RAC width and scaling come from the checkpoint, so drop the flag or "
+                              f"pass --quantization quads")
+        return QUANT_METHOD
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from quads_megatron.rl.engines.precision import NVFP4Experts
+from quads_megatron.rollout.modules import NVFP4Experts
 
 
 def _random_sets(groups: int | None, channels: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -113,7 +113,7 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device, seed: int 
 
 def capturable(module) -> bool:
     """Our NVFP4 experts, and transformers' experts on its grouped_mm path (the local engine's BF16 on a GPU)."""
-    from quads_megatron.rl.engines.precision import graph_safe
+    from quads_megatron.rollout.modules import graph_safe
 
     impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
     return graph_safe(module) or impl == "grouped_mm"

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 import torch
 
 from .base import Rollout, RolloutEngine, SamplingParams, check_prompt_lengths
-
-_EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator):
@@ -33,36 +30,26 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 
 class LocalEngine(RolloutEngine):
-    """Batched sampling on a transformers Qwen3MoeForCausalLM whose experts run the chosen precision."""
+    """Batched sampling on a transformers Qwen3MoeForCausalLM whose experts run the chosen precision
+    (``quads_megatron.rollout.RolloutModel``: weights, NVFP4 modules and calibration live there)."""
 
     def __init__(self, hf_config, plan, max_seq_len: int = 64, dtype: torch.dtype | None = None,
                  pad_token_id: int = 0, device: torch.device | str | None = None):
         """plan: the run's QuantPlan (which layers are NVFP4 and how; the trainer's and exporter's plan)."""
-        from transformers import AutoModelForCausalLM
-
-        from .precision import install_nvfp4_modules
+        from quads_megatron.device import resolve_device
+        from quads_megatron.rollout import RolloutModel, graph_safe
 
         self.plan = plan
         self.precision = plan.rollout_precision
         self.max_seq_len = max_seq_len
         self.pad_token_id = pad_token_id
-        from quads_megatron.device import resolve_device
-
         device = resolve_device(device)
-        cfg = hf_config
-        # BF16 experts: transformers' grouped_mm path on a GPU (no host syncs, so decode can be graph-captured)
-        if hasattr(cfg, "_experts_implementation"):
-            cfg._experts_implementation = "eager" if device.type == "cpu" else "grouped_mm"
-        cfg._attn_implementation = "eager" if device.type == "cpu" else "sdpa"
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        with torch.device(device):
-            self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
-        self.model.eval().requires_grad_(False)
+        self.rollout = RolloutModel(hf_config, plan, dtype=self.dtype, device=device)
+        self.model = self.rollout.model
         self.device = device
-        self.nvfp4_modules = install_nvfp4_modules(self.model, plan)
+        self.nvfp4_modules = self.rollout.modules
         self._loaded = False
-        from .precision import graph_safe
-
         # The decode step is replayed from a CUDA graph when every replaced module is sync-free (not w16a4).
         self.uses_cuda_graph = device.type == "cuda" and all(graph_safe(m) for m in self.nvfp4_modules.values())
         # one per batch size; weights and calibrated channels are written in place, so captured graphs stay valid
@@ -75,83 +62,18 @@ class LocalEngine(RolloutEngine):
 
         measure_error: also accumulate each module's weight error (an extra dequantize per weight).
         """
-        from quads_megatron.plan import quantize_scale_groups
-
-        from .precision import _ErrorMeter, load_quantized
-
-        params = dict(self.model.named_parameters())
-        if measure_error:
-            for m in self.nvfp4_modules.values():
-                m.meter = _ErrorMeter()
-        seen = set()
-        buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
-
-        def destination(layer, role, experts):
-            """The experts' NVFP4 buffers of this layer, for the grouped kernel to write (no copy)."""
-            m = self.nvfp4_modules.get(f"model.layers.{layer}.mlp.experts")
-            return m.grouped_buffers(role, experts) if hasattr(m, "grouped_buffers") else None
-
-        for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan, destination=destination):
-            for i, (name, t) in enumerate(zip(names, tensors)):
-                if quantized is not None and quantized[i].data.untyped_storage().data_ptr() in buffers:
-                    if measure_error:
-                        load_quantized(self.nvfp4_modules, name, t, quantized[i], measure_error, store=False)
-                elif quantized is not None:
-                    load_quantized(self.nvfp4_modules, name, t, quantized[i].to(self.device), measure_error)
-                else:
-                    dst = self._destination(params, name)
-                    if tuple(dst.shape) != tuple(t.shape):
-                        raise ValueError(f"weight sync: {name} has shape {tuple(t.shape)}, the rollout model "
-                                         f"expects {tuple(dst.shape)}")
-                    dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
-                seen.add(name)
-        if not seen:
-            raise ValueError("weight sync: no tensors received")
-        if self._refresh_rac_columns():
+        if self.rollout.load_weights(named_tensors, measure_error=measure_error):
             self._decoders.clear()  # new column tensors: graphs captured before must not replay
-        if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self._loaded = True
 
-    def _destination(self, params: dict, name: str) -> torch.Tensor:
-        """The HF model parameter (or the slice of a fused expert parameter) that ``name`` fills."""
-        m = _EXPERT_RE.match(name)
-        if not m:
-            return self._param(params, name, name)
-        pre, e, proj = m["pre"], int(m["e"]), m["proj"]
-        if proj == "down_proj":
-            return self._param(params, f"{pre}.down_proj", name)[e]
-        full = self._param(params, f"{pre}.gate_up_proj", name)
-        f = full.shape[1] // 2
-        return full[e, :f] if proj == "gate_proj" else full[e, f:]
-
-    @staticmethod
-    def _param(params: dict, key: str, src: str) -> torch.Tensor:
-        if key not in params:
-            raise KeyError(f"weight sync: {src} maps to {key}, which the rollout model does not have")
-        return params[key].data
-
     def calibrate(self, prompts: list[list[int]]) -> None:
-        """Pick RAC channels and static input scales (as the plan asks) from these prompts' activations."""
-        from .precision import calibrate
-
-        rebound = calibrate(self.nvfp4_modules, self.plan, lambda: self._forward_full(prompts))
-        if self._refresh_rac_columns() or rebound:
+        """Pick RAC channels and static input scales (the plan's calibration, ``plan.calibration``) from these
+        prompts' activations, each prompt run alone."""
+        if self.rollout.calibrate(prompts):
             self._decoders.clear()  # channel / scale tensors were rebound: graphs captured before must not replay
 
-    def _refresh_rac_columns(self) -> bool:
-        """Rebuild every module's RAC weight columns from its current weights and channels (in place
-        after the first time); True when a column tensor had to be (re)bound."""
-        rebound = False
-        for m in self.nvfp4_modules.values():
-            if hasattr(m, "refresh_rac_columns"):
-                rebound |= m.refresh_rac_columns()
-        return rebound
-
     def quant_error_report(self) -> dict[str, float]:
-        from .precision import error_report
-
-        return error_report(self.nvfp4_modules)
+        return self.rollout.quant_error_report()
 
     # ------------------------------------------------------------------ generation
     def _left_pad(self, prompts: list[list[int]]):

@@ -3,7 +3,7 @@
 import torch
 
 from quads_megatron import nvfp4
-from quads_megatron.rl.engines.precision import ActQuantExperts, ActQuantLinear
+from quads_megatron.rollout.modules import ActQuantExperts, ActQuantLinear
 from quads_megatron.vocab import Precision, parse_precision
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quads_megatron import nvfp4
-from quads_megatron.rl.engines.precision import NVFP4Experts, NVFP4Linear
+from quads_megatron.rollout.modules import NVFP4Experts, NVFP4Linear
 from quads_megatron.vocab import Precision
 from quads_megatron.kernels import reference
 from quads_megatron.kernels.gemm import interpreting

@@ -1,10 +1,11 @@
-"""The local engine's NVFP4 layers: HF Qwen3-MoE experts / attention linears on ``quads_megatron.kernels``.
+"""The rollout's NVFP4 layers: drop-ins for HF Qwen3-MoE experts / attention linears on ``quads_megatron.kernels``.
 
-Which layers are NVFP4 and at which precision comes from the ``QuantPlan`` (the trainer's and
-the exporter's plan); the weights arrive already quantized by ``quantize_named_params`` (the
-SGLang sync's step) and are written into fixed buffers in place, so the modules keep their
-identity across weight updates.  RAC channels and static activation scales come from
-``quads_megatron.rac`` on calibration prompts, as the exporter calibrates them.
+Which layers are NVFP4 and at which precision comes from the ``QuantPlan``; buffer names, shapes
+and dtypes from its rollout layout (``plan.layout``).  The weights arrive already quantized by
+``quantize_scale_groups`` (the SGLang sync's step) and are written into fixed buffers in place,
+so the modules keep their identity across weight updates.  While a ``plan.calibration.Calibrator``
+is attached (``RolloutModel.calibrate``) they run the calibration forward instead: dequantized
+weights, fp32, unquantized activations, each group's input rows handed to the calibrator.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from torch import nn
 
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
-from quads_megatron.vocab import ActivationScaling, Precision, Scope
+from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
+                                        WEIGHT_SCALE_2, nvfp4_weight_specs)
+from quads_megatron.vocab import Precision, Scope
 
-_ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTN_PROJ = ATTN_QKV + ATTN_O
 
 
 def _dequantize(weight, scale, scale_2) -> torch.Tensor:
@@ -60,7 +63,8 @@ class _QuantExperts(nn.Module):
         self.w13_comp_weight = self.w2_comp_weight = None  # RAC weight columns (NVFP4Experts.refresh_rac_columns)
         self.w13_input_scale = self.w2_input_scale = None
         self.meter = _ErrorMeter()
-        self.stats = None  # (fc1 ActivationStats, fc2 per-expert ActivationStats) while calibrating
+        self.calibrator = None  # (Calibrator, fc1 group, fc2 group) while calibrating
+        self._x = []            # fc1 inputs of the last calibration pass (error report)
         self.act_err = {}
 
     def dequantized(self, which: str) -> torch.Tensor:
@@ -69,25 +73,25 @@ class _QuantExperts(nn.Module):
 
     @torch.no_grad()
     def _calibration_forward(self, x, ids, weights):
-        """Forward on high-precision activations that records fc1/fc2 input statistics per expert."""
-        s13, s2 = self.stats
-        s13.update(x)
+        """fp32 forward on dequantized weights and unquantized activations; fc1 sees every token,
+        each expert's fc2 the tokens routed to it (``plan.calibration``)."""
+        cal, fc1, fc2 = self.calibrator
+        xf = x.float().reshape(-1, x.shape[-1])
+        cal.observe(fc1, xf)
         w13f, w2f = self.dequantized("w13"), self.dequantized("w2")
         F = w2f.shape[-1]
-        out = torch.zeros_like(x, dtype=torch.float32)
-        xf = x.float()
+        out = torch.zeros_like(xf)
         for e in range(w13f.shape[0]):
             tok, slot = (ids == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
             gu = xf[tok] @ w13f[e].t()
             h = nn.functional.silu(gu[:, :F]) * gu[:, F:]
-            s2.update(h, torch.full((h.shape[0],), e, dtype=torch.long))
-            self._amax[1] = torch.maximum(self._amax[1], nvfp4.amax_of(h).cpu())
+            cal.observe(fc2, h, member=e)
             out.index_add_(0, tok, (h @ w2f[e].t()) * weights[tok, slot, None].float())
-        self._amax[0] = torch.maximum(self._amax[0], nvfp4.amax_of(xf).cpu())
-        self._x.append(xf)
-        return out.to(x.dtype)
+        if cal.pass_index == cal.num_passes - 1:
+            self._x.append(xf)
+        return out.to(x.dtype).view_as(x)
 
 
 class ActQuantExperts(_QuantExperts):
@@ -109,7 +113,7 @@ class ActQuantExperts(_QuantExperts):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         from quads_megatron.rac import compensated_activation
 
-        if self.stats is not None:
+        if self.calibrator is not None:
             return self._calibration_forward(hidden_states, top_k_index, top_k_weights)
         xq = compensated_activation(hidden_states, None, self.w13_input_scale)[0]
         out = torch.zeros_like(xq)
@@ -132,7 +136,7 @@ class ActQuantLinear(nn.Linear):
         self.precision = precision
         self.comp_index = self.input_scale = None
         self.meter = _ErrorMeter()
-        self.stats = None
+        self.calibrator = None  # (Calibrator, group or None) while calibrating
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
@@ -140,10 +144,8 @@ class ActQuantLinear(nn.Linear):
     def forward(self, x):
         from quads_megatron.rac import compensated_activation
 
-        if self.stats is not None:
-            self.stats.update(x)
-            self._amax = torch.maximum(self._amax, nvfp4.amax_of(x.float()).cpu())
-            return super().forward(x)
+        if self.calibrator is not None:
+            return _linear_calibration_forward(self, x)
         xq = compensated_activation(x, None, self.input_scale)[0]
         return (xq @ self.weight.float().t()).to(x.dtype)
 
@@ -154,23 +156,23 @@ class NVFP4Experts(_QuantExperts):
     def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device):
         super().__init__(num_experts, hidden, ffn, precision)
         E, H, F = num_experts, hidden, ffn
-        shapes = {"w13": ((E, 2 * F, H // 2), torch.uint8), "w13_scale": ((E, 2 * F, H // 16), torch.float8_e4m3fn),
-                  "w13_scale_2": ((E,), torch.float32), "w2": ((E, H, F // 2), torch.uint8),
-                  "w2_scale": ((E, H, F // 16), torch.float8_e4m3fn), "w2_scale_2": ((E,), torch.float32)}
-        for name, (shape, dtype) in shapes.items():
-            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        for which, (n, k) in (("w13", (2 * F, H)), ("w2", (H, F))):  # gate rows, then up; one scale_2 per expert
+            specs = nvfp4_weight_specs(n, k, lead=(E,))
+            for key, suffix in ((WEIGHT, ""), (WEIGHT_SCALE, "_scale"), (WEIGHT_SCALE_2, "_scale_2")):
+                shape, dtype = specs[key]
+                self.register_buffer(which + suffix, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @torch.no_grad()
     def load(self, proj: str, expert: int, q: nvfp4.NVFP4Tensor) -> None:
         """Write one expert projection's NVFP4 triple into the buffers in place."""
         t = q.to_modelopt()
         F = self.ffn
-        if proj == "down_proj":
+        if proj in EXPERT_FC2:
             self.w2[expert].copy_(t["weight"])
             self.w2_scale[expert].copy_(t["weight_scale"])
             self.w2_scale_2[expert].copy_(t["weight_scale_2"].reshape(()))
             return
-        rows = slice(0, F) if proj == "gate_proj" else slice(F, 2 * F)
+        rows = slice(0, F) if proj == EXPERT_FC1[0] else slice(F, 2 * F)
         self.w13[expert, rows].copy_(t["weight"])
         self.w13_scale[expert, rows].copy_(t["weight_scale"])
         self.w13_scale_2[expert].copy_(t["weight_scale_2"].reshape(()))  # gate and up share it
@@ -181,9 +183,9 @@ class NVFP4Experts(_QuantExperts):
         if experts != list(range(self.num_experts)):
             return None
         E, F, H = self.num_experts, self.ffn, self.hidden
-        if tuple(role) == ("gate_proj", "up_proj"):
+        if tuple(role) == EXPERT_FC1:
             return (self.w13.view(2 * E, F, H // 2), self.w13_scale.view(2 * E, F, H // 16), self.w13_scale_2)
-        if tuple(role) == ("down_proj",):
+        if tuple(role) == EXPERT_FC2:
             return self.w2, self.w2_scale, self.w2_scale_2
         return None
 
@@ -203,7 +205,7 @@ class NVFP4Experts(_QuantExperts):
         return _store(self, "w2_comp_weight", rac_weight_columns(self.w2, self.w2_scale, self.w2_comp_index)) or a
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        if self.stats is not None:
+        if self.calibrator is not None:
             return self._calibration_forward(hidden_states, top_k_index, top_k_weights)
         if self.precision.uses_rac and self.w13_comp_index is None:
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
@@ -221,17 +223,12 @@ class NVFP4Linear(nn.Module):
     def __init__(self, out_features: int, in_features: int, precision: Precision, device):
         super().__init__()
         self.precision, self.in_features, self.out_features = precision, in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
-                                                   device=device), persistent=False)
-        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // 16,
-                                                         dtype=torch.float8_e4m3fn, device=device),
-                             persistent=False)
-        self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32, device=device),
-                             persistent=False)
+        for name, (shape, dtype) in nvfp4_weight_specs(out_features, in_features).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.comp_index = self.input_scale = None
         self.comp_weight = None  # RAC weight columns (refresh_rac_columns)
         self.meter = _ErrorMeter()
-        self.stats = None
+        self.calibrator = None  # (Calibrator, group or None) while calibrating
 
     @torch.no_grad()
     def load(self, q: nvfp4.NVFP4Tensor) -> None:
@@ -242,10 +239,8 @@ class NVFP4Linear(nn.Module):
         return _dequantize(self.weight, self.weight_scale, self.weight_scale_2)
 
     def forward(self, x):
-        if self.stats is not None:
-            self.stats.update(x)
-            self._amax = torch.maximum(self._amax, nvfp4.amax_of(x.float()).cpu())
-            return (x.float() @ self.dequantized().t()).to(x.dtype)
+        if self.calibrator is not None:
+            return _linear_calibration_forward(self, x)
         if self.precision.uses_rac and self.comp_index is None:
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
         return _kernels().w4a4_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
@@ -259,6 +254,15 @@ class NVFP4Linear(nn.Module):
         from quads_megatron.kernels.rac_columns import rac_weight_columns
 
         return _store(self, "comp_weight", rac_weight_columns(self.weight, self.weight_scale, self.comp_index))
+
+
+@torch.no_grad()
+def _linear_calibration_forward(m, x):
+    """fp32 ``x Wq^T`` on the dequantized weight; the group's first member hands its input to the calibrator."""
+    cal, group = m.calibrator
+    if group is not None:
+        cal.observe(group, x.float())
+    return (x.float() @ m.dequantized().t()).to(x.dtype)
 
 
 def graph_safe(module) -> bool:
@@ -330,82 +334,84 @@ def _store(m, attr: str, value) -> bool:
     return True
 
 
-@torch.no_grad()
-def calibrate(modules: dict, plan: QuantPlan, run_forward) -> bool:
-    """Run calibration prompts; set RAC channels (w4a4_rac) and static input scales; record activation errors.
-
-    Channels and scales are written in place after the first calibration; returns True when any
-    of them was (re)bound instead, so graphs captured before must not be replayed.
-    """
-    from quads_megatron.rac import ActivationStats, calibrate_comp_channels, compensated_activation, weight_column_norm_sq
-
-    k = plan.rac_channels
-    static = plan.activation_scaling is ActivationScaling.STATIC
-    active = {n: m for n, m in modules.items() if m.precision.quantizes_activations}
-    if not active:
-        return False
-    rebound = False
-    for m in active.values():
-        if isinstance(m, _QuantExperts):
-            m.stats = (ActivationStats(m.hidden), ActivationStats(m.ffn, num_groups=m.num_experts))
-            m._x, m._amax = [], [torch.zeros(()), torch.zeros(())]
-        else:
-            m.stats, m._amax = ActivationStats(m.in_features), torch.zeros(())
-    try:
-        run_forward()
-    finally:
-        stats = {n: m.stats for n, m in active.items()}
-        for m in active.values():
-            m.stats = None
-    for n, m in active.items():
-        st = stats[n]
-        if isinstance(m, _QuantExperts):
-            s13, s2 = st
-            if static:
-                dev = next(itertools.chain(m.parameters(), m.buffers())).device
-                for attr, a in zip(("w13_input_scale", "w2_input_scale"), m._amax):
-                    rebound |= _store(m, attr, nvfp4.global_decode_scale(a).to(dev).reshape(()))
-            if m.precision.uses_rac:
-                dev = m.w13.device  # the statistics live on the CPU; the kernels want the indices beside x
-                rebound |= _store(m, "w13_comp_index", calibrate_comp_channels(
-                    s13, weight_column_norm_sq(m.dequantized("w13"), per_expert=False), k).to(dev))
-                rebound |= _store(m, "w2_comp_index", calibrate_comp_channels(
-                    s2, weight_column_norm_sq(m.dequantized("w2"), per_expert=True), k).to(dev))
-            x = torch.cat(m._x) if m._x else None
-            if x is not None and x.numel():
-                xq, _ = compensated_activation(x, None)
-                m.act_err = {"act_rel_err": _rel_err(x, xq)}
-                if m.w13_comp_index is not None:
-                    xq, rq = compensated_activation(x, m.w13_comp_index)
-                    xc = xq.clone()
-                    xc[:, m.w13_comp_index.long()] += rq
-                    m.act_err["act_rel_err_rac"] = _rel_err(x, xc)
-            m._x = []
-        else:
-            if static:
-                rebound |= _store(m, "input_scale", nvfp4.global_decode_scale(m._amax).to(m.weight.device).reshape(()))
-            if m.precision.uses_rac and not n.endswith(("k_proj", "v_proj")):
-                # q/k/v read one input: one set ranked on their stacked columns (as the exporter does)
-                parts = [active.get(n[: -len("q_proj")] + p) for p in ("q_proj", "k_proj", "v_proj")] \
-                    if n.endswith("q_proj") else [m]
-                w = torch.cat([p.dequantized() for p in parts if p is not None])
-                rebound |= _store(m, "comp_index",
-                                  calibrate_comp_channels(st, weight_column_norm_sq(w), k).to(m.weight.device))
-    return _share_qkv_channels(active, plan) or rebound
+def _experts_groups(prefix: str) -> tuple:
+    """The layout's activation groups of an experts unit: (fc1, fc2)."""
+    return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
 
 
-def _share_qkv_channels(modules: dict, plan: QuantPlan) -> bool:
-    """q/k/v read one input: give them one RAC set and one static scale, as the exporter and SGLang's QKV layer do."""
-    rebound = False
-    for i in range(plan.dims.num_layers):
-        qkv = [modules.get(f"model.layers.{i}.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")]
-        if not all(qkv):
+def attach_calibrator(modules: dict, calibrator, layout) -> None:
+    """Switch every activation-quantized module to its calibration forward, feeding ``calibrator``
+    (a ``plan.calibration.Calibrator``) under the layout's group names; one member per shared input observes."""
+    for name, m in modules.items():
+        if not m.precision.quantizes_activations:
             continue
-        q = qkv[0]
-        for m in qkv[1:]:
-            rebound |= _store(m, "comp_index", q.comp_index)
-            rebound |= _store(m, "input_scale", q.input_scale)
+        if isinstance(m, _QuantExperts):
+            m.calibrator, m._x = (calibrator, *_experts_groups(name)), []
+            continue
+        g = layout.group_of(f"{name}.weight")
+        m.calibrator = (calibrator, g.name if g is not None and g.members[0] == f"{name}.weight" else None)
+
+
+def detach_calibrator(modules: dict) -> None:
+    for m in modules.values():
+        m.calibrator = None
+
+
+def group_weights(modules: dict, group) -> torch.Tensor:
+    """The fp32 dequantized weights of an activation group as the rollout GEMMs see them:
+    [E, N, K] for an experts group, the members' rows stacked [N, K] otherwise."""
+    if group.experts:
+        prefix = group.name.rsplit(".", 1)[0]
+        return modules[prefix].dequantized("w13" if group.name.endswith("gate_up_proj") else "w2")
+    return torch.cat([modules[n[: -len(".weight")]].dequantized() for n in group.members])
+
+
+def apply_calibration(modules: dict, calibration, layout, observed: dict | None = None) -> bool:
+    """Write a ``plan.calibration.Calibration`` into the modules: static input scales (static scaling only: the
+    kernels use a given scale) and RAC channels, in place where possible; True when a tensor had to be rebound.
+    observed: the modules that ran the calibration forward (an fp32 twin), default ``modules``."""
+    observed = modules if observed is None else observed
+    rebound = False
+    for name, m in modules.items():
+        if not m.precision.quantizes_activations:
+            continue
+        if isinstance(m, _QuantExperts):
+            dev = next(itertools.chain(m.parameters(), m.buffers())).device
+            for (attr_scale, attr_comp), gname in zip((("w13_input_scale", "w13_comp_index"),
+                                                        ("w2_input_scale", "w2_comp_index")), _experts_groups(name)):
+                c, g = calibration[gname], layout[gname]
+                if g.static:
+                    rebound |= _store(m, attr_scale, c.input_scale.to(dev).reshape(()))
+                if c.comp_index is not None:
+                    rebound |= _store(m, attr_comp, c.comp_index.to(dev))
+            _record_activation_error(m, observed[name])
+            continue
+        g = layout.group_of(f"{name}.weight")
+        c = calibration[g.name]
+        dev = m.weight.device
+        if g.static:
+            rebound |= _store(m, "input_scale", c.input_scale.to(dev).reshape(()))
+        if c.comp_index is not None:
+            rebound |= _store(m, "comp_index", c.comp_index.to(dev))
     return rebound
+
+
+def _record_activation_error(m, observed) -> None:
+    """fc1 activation error of the last calibration's inputs (per-token NVFP4, and with the RAC channels)."""
+    from quads_megatron.rac import compensated_activation
+
+    x = torch.cat(observed._x) if observed._x else None
+    observed._x = []
+    if x is None or not x.numel():
+        return
+    xq, _ = compensated_activation(x, None)
+    m.act_err = {"act_rel_err": _rel_err(x, xq)}
+    if m.w13_comp_index is not None:
+        idx = m.w13_comp_index.to(x.device)
+        xq, rq = compensated_activation(x, idx)
+        xc = xq.clone()
+        xc[:, idx.long()] += rq
+        m.act_err["act_rel_err_rac"] = _rel_err(x, xc)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,158 @@
+"""``RolloutModel``: the model a rollout serves, built from the plan: HF Qwen3-MoE + the plan's NVFP4 modules.
+
+The local engine generates with it; the exporter builds one from its HF weights to calibrate
+the checkpoint's activation side on the same modules the engine runs, so both calibrate the
+model as served (``plan.calibration``) and agree bit for bit for the same weights and prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from tqdm import tqdm
+
+from quads_megatron.plan import QuantPlan, quantize_scale_groups
+from quads_megatron.plan.calibration import Calibration, Calibrator
+from quads_megatron.plan.layout import EXPERT_FC1, RolloutLayout
+from quads_megatron.rollout.modules import (_ErrorMeter, apply_calibration, attach_calibrator, detach_calibrator,
+                                            error_report, group_weights, install_nvfp4_modules, load_quantized)
+
+CALIBRATION_DTYPE = torch.float32
+_EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class RolloutModel:
+    """An HF Qwen3MoeForCausalLM of ``hf_config`` whose plan-NVFP4 units run ``quads_megatron.kernels``."""
+
+    def __init__(self, hf_config, plan: QuantPlan, *, dtype: torch.dtype, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        self.plan, self.dtype, self.device = plan, dtype, torch.device(device)
+        self.layout = RolloutLayout(plan)
+        cfg = copy.deepcopy(hf_config)
+        # BF16 experts: transformers' grouped_mm path on a GPU (no host syncs, so decode can be graph-captured)
+        if hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = "eager" if self.device.type == "cpu" else "grouped_mm"
+        cfg._attn_implementation = "eager" if self.device.type == "cpu" else "sdpa"
+        self.hf_config = cfg
+        with torch.device(self.device):
+            self.model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+        self.modules = install_nvfp4_modules(self.model, plan)
+        self.calibration: Calibration | None = None  # the last calibrate()'s result
+        self._twin: RolloutModel | None = None
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> bool:
+        """Load HF-named high-precision tensors; the plan's NVFP4 weights are quantized and written in place.
+
+        measure_error: also accumulate each module's weight error (an extra dequantize per weight).
+        Returns True when a RAC column tensor had to be rebound (graphs captured before must not replay).
+        """
+        params = dict(self.model.named_parameters())
+        if measure_error:
+            for m in self.modules.values():
+                m.meter = _ErrorMeter()
+        seen = set()
+        buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+
+        def destination(layer, role, experts):
+            """The experts' NVFP4 buffers of this layer, for the grouped kernel to write (no copy)."""
+            m = self.modules.get(f"model.layers.{layer}.mlp.experts")
+            return m.grouped_buffers(role, experts) if hasattr(m, "grouped_buffers") else None
+
+        for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan, destination=destination):
+            for i, (name, t) in enumerate(zip(names, tensors)):
+                if quantized is not None and quantized[i].data.untyped_storage().data_ptr() in buffers:
+                    if measure_error:
+                        load_quantized(self.modules, name, t, quantized[i], measure_error, store=False)
+                elif quantized is not None:
+                    load_quantized(self.modules, name, t, quantized[i].to(self.device), measure_error)
+                else:
+                    dst = self._destination(params, name)
+                    if tuple(dst.shape) != tuple(t.shape):
+                        raise ValueError(f"weight sync: {name} has shape {tuple(t.shape)}, the rollout model "
+                                         f"expects {tuple(dst.shape)}")
+                    dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+                seen.add(name)
+        if not seen:
+            raise ValueError("weight sync: no tensors received")
+        if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+        return self.refresh_rac_columns()
+
+    def _destination(self, params: dict, name: str) -> torch.Tensor:
+        """The HF model parameter (or the slice of a fused expert parameter) that ``name`` fills."""
+        m = _EXPERT_RE.match(name)
+        if not m:
+            return self._param(params, name, name)
+        pre, e, proj = m["pre"], int(m["e"]), m["proj"]
+        if proj not in EXPERT_FC1:
+            return self._param(params, f"{pre}.down_proj", name)[e]
+        full = self._param(params, f"{pre}.gate_up_proj", name)
+        f = full.shape[1] // 2
+        return full[e, :f] if proj == EXPERT_FC1[0] else full[e, f:]
+
+    @staticmethod
+    def _param(params: dict, key: str, src: str) -> torch.Tensor:
+        if key not in params:
+            raise KeyError(f"weight sync: {src} maps to {key}, which the rollout model does not have")
+        return params[key].data
+
+    def refresh_rac_columns(self) -> bool:
+        """Rebuild every module's RAC weight columns from its current weights and channels (in place
+        after the first time); True when a column tensor had to be (re)bound."""
+        rebound = False
+        for m in self.modules.values():
+            if hasattr(m, "refresh_rac_columns"):
+                rebound |= m.refresh_rac_columns()
+        return rebound
+
+    # ------------------------------------------------------------------ calibration
+    @torch.no_grad()
+    def calibrate(self, prompts, progress: bool = False) -> bool:
+        """Calibrate the activation side on ``prompts`` (token id lists or 1-D tensors), the plan's one rule
+        (``plan.calibration``), and write input scales (static) and RAC channels into the modules.
+
+        The result stays in ``self.calibration``. Returns True when a channel, scale or RAC column tensor
+        had to be rebound (graphs captured before must not replay).
+        """
+        calibrator = Calibrator(self.layout)
+        if not calibrator.groups:
+            self.calibration = calibrator.finish(lambda g: None)
+            return False
+        runner = self if self.dtype == CALIBRATION_DTYPE else self._calibration_twin()
+        attach_calibrator(runner.modules, calibrator, self.layout)
+        try:
+            for index in range(calibrator.num_passes):
+                calibrator.start_pass(index)
+                for ids in tqdm(prompts, desc=f"calibrate ({index + 1}/{calibrator.num_passes})",
+                                disable=not progress, unit="prompt"):
+                    ids = torch.as_tensor(ids, dtype=torch.long, device=runner.device).reshape(1, -1)
+                    runner.model(input_ids=ids)
+        finally:
+            detach_calibrator(runner.modules)
+        self.calibration = calibrator.finish(lambda g: group_weights(runner.modules, g))
+        rebound = apply_calibration(self.modules, self.calibration, self.layout, observed=runner.modules)
+        return self.refresh_rac_columns() or rebound
+
+    def _calibration_twin(self) -> "RolloutModel":
+        """An fp32 copy of this model (built once, refilled on every call): the calibration runs in fp32."""
+        if self._twin is None:
+            self._twin = RolloutModel(self.hf_config, self.plan, dtype=CALIBRATION_DTYPE, device=self.device)
+        twin = self._twin
+        ours = dict(self.model.named_parameters())
+        for name, p in twin.model.named_parameters():
+            p.data.copy_(ours[name].data)  # BF16 -> fp32 is exact
+        ours = dict(self.model.named_buffers())
+        for prefix, m in twin.modules.items():
+            for name, b in m.named_buffers():
+                b.copy_(ours[f"{prefix}.{name}"])
+        return twin
+
+    def quant_error_report(self) -> dict[str, float]:
+        return error_report(self.modules)
