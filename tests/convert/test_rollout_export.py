@@ -178,7 +178,7 @@ def test_quads_config(quads_ckpt):
 
     cfg = json.loads((quads_ckpt / "config.json").read_text())
     qc = cfg["quantization_config"]
-    settings = parse_quantization_config(qc, env={})
+    settings = parse_quantization_config(qc)
     assert (settings.precision, settings.activation_scaling, settings.rac_channels) == ("w4a4_rac", "per_token", K)
     assert qc["quant_method"] == "quads" and "model.layers.*.mlp.gate" in qc["exclude_modules"]
     summary = json.loads((quads_ckpt / "hf_quant_config.json").read_text())

@@ -39,8 +39,6 @@ ATTN = "model.layers.0.self_attn"
 def torch_kernels(monkeypatch):
     """The forward comparisons run the torch path (fast on CPU); loading is what is tested here."""
     monkeypatch.setenv("QUADS_BACKEND", "torch")
-    for var in ("QUADS_PRECISION", "QUADS_ACTIVATION_SCALING", "QUADS_RAC_CHANNELS"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -383,18 +381,21 @@ def test_bad_quantization_config_is_refused_by_field(runtime, case):
 
     cfg, match = CONFIG_CASES[case]
     with pytest.raises(CheckpointError, match=match):
-        parse_quantization_config(cfg, env={}, origin="hf_quant_config.json")
+        parse_quantization_config(cfg, origin="hf_quant_config.json")
     if isinstance(cfg, dict):
         with pytest.raises(CheckpointError, match=match):
             QuadsConfig.from_config({**cfg, "packed_modules_mapping": {}})
 
 
-def test_bad_env_override_is_a_config_error(runtime, monkeypatch):
+def test_a_server_flag_that_disagrees_with_the_checkpoint_is_a_config_error(runtime):
+    """The checkpoint is the only switch: SGLang's `--quantization` naming another method than the checkpoint's
+    is refused by the quads override with both values named (before SGLang's own generic check)."""
     from sglang_ext.config import QuadsConfig
 
-    monkeypatch.setenv("QUADS_RAC_CHANNELS", "24")
-    with pytest.raises(ConfigError, match=r"with the QUADS_\* environment overrides\.rac_channels: .*got 24"):
-        QuadsConfig.from_config(_quads())
+    with pytest.raises(ConfigError, match=r"--quantization modelopt_fp4: .* says quant_method 'quads'"):
+        QuadsConfig.override_quantization_method(_quads(), "modelopt_fp4")
+    with pytest.raises(ConfigError, match=r"--quantization quads: .* says quant_method 'fp8'"):
+        QuadsConfig.override_quantization_method({"quant_method": "fp8"}, "quads")
 
 
 # --- a model directory through SGLang's ModelConfig: file names and the manifest ------------

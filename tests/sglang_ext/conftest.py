@@ -23,9 +23,3 @@ def checkpoints(tmp_path_factory):
     """Tiny rollout checkpoints written by the project's exporter, keyed by kind."""
     return export_rollout_checkpoints(tmp_path_factory.mktemp("sglang_ckpts"))
 
-
-@pytest.fixture
-def no_quads_env(monkeypatch):
-    """Tests parse checkpoints without the QUADS_* environment overrides."""
-    for var in ("QUADS_PRECISION", "QUADS_ACTIVATION_SCALING", "QUADS_RAC_CHANNELS"):
-        monkeypatch.delenv(var, raising=False)

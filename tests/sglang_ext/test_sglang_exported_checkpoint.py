@@ -55,7 +55,7 @@ def _reference(x, topk, disk, settings, e):
 
 
 @pytest.mark.parametrize("kind", ["quads", "modelopt"])
-def test_exported_experts_load_and_match_reference(sglang_runtime, checkpoints, no_quads_env, kind):
+def test_exported_experts_load_and_match_reference(sglang_runtime, checkpoints, kind):
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE

@@ -94,7 +94,7 @@ def _model_config(path, quantization):
     ("modelopt_file", "quads", "quads", "modelopt"),  # ModelOpt's hf_quant_config.json form
     ("quads_file", "quads", "quads", "quads"),        # the export's hf_quant_config.json alone
 ])
-def test_model_config_chooses_quads(sglang_runtime, checkpoints, no_quads_env, kind, flag,
+def test_model_config_chooses_quads(sglang_runtime, checkpoints, kind, flag,
                                     want_method, want_source):
     from sglang_ext.config import QuadsConfig
 
