@@ -2,8 +2,10 @@
 
 Everything is driven through the CLI (``rollout_export.main``) and read back from the files it
 writes. The calibration expectations (input_scale, RAC channels) come from a reference written
-here from the definitions (quads_megatron/rac.py, the paper): the HF model's own MoE-block inputs
-and router choices, captured with forward hooks, give fc1/fc2 amax and the per-channel
+here from the definitions (quads_megatron/rac.py, the paper, the rule of quads_megatron.plan.calibration:
+the model as served): the HF model itself in fp32 with its expert weights replaced by their NVFP4
+fake-quantized values, its MoE-block inputs and router choices captured with forward hooks, gives
+fc1/fc2 amax (fc2: the tokens routed to each expert, one max over the layer) and the per-channel
 E[(x - xq)^2] * ||Wq[:, c]||^2 score whose top k the exporter must store.
 """
 
@@ -65,13 +67,36 @@ def modelopt_ckpt(tiny_hf, calib_flags, tmp_path_factory):
     return out
 
 
+def _fake_quantized_experts(gate, up, down):
+    """The expert weights the rollout GEMMs multiply (fp32): gate/up of an expert share one global scale."""
+    E = gate.shape[0]
+    shared = [torch.maximum(gate[e].abs().max(), up[e].abs().max()) for e in range(E)]
+    gq = torch.stack([nvfp4.fake_quantize(gate[e], amax=shared[e]) for e in range(E)])
+    uq = torch.stack([nvfp4.fake_quantize(up[e], amax=shared[e]) for e in range(E)])
+    dq = torch.stack([nvfp4.fake_quantize(down[e]) for e in range(E)])
+    return gq, uq, dq
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_hf):
-    """Per MoE layer, from the HF model run on PROMPTS: x [T, H] (the MoE block's input), the
-    router's top-k experts [T, topk], and the BF16 expert weights (fp32) read from the source files."""
+    """Per MoE layer, from the model as served run on PROMPTS one at a time (the HF model in fp32, expert
+    weights NVFP4 fake-quantized): x [T, H] (the MoE block's input), the router's top-k experts [T, topk],
+    and the fake-quantized expert weights (fp32) computed from the source files."""
     from transformers import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM.from_pretrained(str(tiny_hf), dtype=torch.bfloat16).eval()
+    model = Qwen3MoeForCausalLM.from_pretrained(str(tiny_hf), dtype=torch.float32).eval()
+    weights = {}
+    with HFCheckpoint(tiny_hf) as src:
+        dims = qwen3_moe.dims_from_hf_config(src.config)
+        for i in range(dims.num_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            w = {n: torch.stack([src.get(f"{p}{e}.{n}_proj.weight").float() for e in range(dims.num_experts)])
+                 for n in ("gate", "up", "down")}
+            weights[i] = dict(zip(("gate", "up", "down"), _fake_quantized_experts(w["gate"], w["up"], w["down"])))
+            experts = model.model.layers[i].mlp.experts
+            with torch.no_grad():
+                experts.gate_up_proj.copy_(torch.cat([weights[i]["gate"], weights[i]["up"]], dim=1))
+                experts.down_proj.copy_(weights[i]["down"])
     xs, routes, hooks = {}, {}, []
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.mlp.register_forward_pre_hook(
@@ -83,14 +108,7 @@ def reference(tiny_hf):
             model(ids[None])
     for h in hooks:
         h.remove()
-    out = {}
-    with HFCheckpoint(tiny_hf) as src:
-        dims = qwen3_moe.dims_from_hf_config(src.config)
-        for i in range(dims.num_layers):
-            p = f"model.layers.{i}.mlp.experts."
-            w = {n: torch.stack([src.get(f"{p}{e}.{n}_proj.weight").float() for e in range(dims.num_experts)])
-                 for n in ("gate", "up", "down")}
-            out[i] = dict(x=torch.cat(xs[i]), topk=torch.cat(routes[i]), **w)
+    out = {i: dict(x=torch.cat(xs[i]), topk=torch.cat(routes[i]), **weights[i]) for i in weights}
     assert out[0]["x"].shape[0] == len(PROMPTS) * SEQ
     return out
 
@@ -102,23 +120,20 @@ def _mean_sq_err(x, amax=None):
 
 
 def _expected_layer(ref, static=False):
-    """(fc1 amax, fc2 amax [E], fc1 score [H], fc2 score [E, F]) of one layer, from the definitions."""
-    x, topk, gate, up, down = ref["x"], ref["topk"], ref["gate"], ref["up"], ref["down"]
+    """(fc1 amax, fc2 amax, fc1 score [H], fc2 score [E, F]) of one layer, from the definitions."""
+    x, topk, gate, up, down = ref["x"], ref["topk"], ref["gate"], ref["up"], ref["down"]   # fake-quantized weights
     E = gate.shape[0]
     fc1_amax = x.abs().max()
-    h = [Fn.silu(x @ gate[e].T) * (x @ up[e].T) for e in range(E)]      # fc2 input, every token
-    fc2_amax = torch.stack([he.abs().max() for he in h])              # every token counts (ModelOpt MoE rule)
-    # the weights the rollout GEMM multiplies: gate/up of an expert share one global scale
-    wq13 = [torch.cat([nvfp4.fake_quantize(t, amax=torch.maximum(gate[e].abs().max(), up[e].abs().max()))
-                       for t in (gate[e], up[e])]) for e in range(E)]
-    wq2 = [nvfp4.fake_quantize(down[e]) for e in range(E)]
+    routed = [(topk == e).any(-1) for e in range(E)]
+    h = [Fn.silu(x[r] @ gate[e].T) * (x[r] @ up[e].T) for e, r in enumerate(routed)]  # fc2 input, routed tokens
+    fc2_amax = torch.stack([he.abs().max() for he in h if he.numel()]).max()  # one static scale for the layer
     # fc1: one set per layer (all experts read x): error of x times the column norms summed over experts
-    fc1 = _mean_sq_err(x, fc1_amax if static else None) * sum(w.double().square().sum(0) for w in wq13)
-    fc2 = []
-    for e in range(E):
-        routed = (topk == e).any(-1)
-        he = h[e][routed] if bool(routed.any()) else h[e]   # tokens routed to e (all if none)
-        fc2.append(_mean_sq_err(he, fc2_amax[e] if static else None) * wq2[e].double().square().sum(0))
+    fc1 = _mean_sq_err(x, fc1_amax if static else None) * sum(torch.cat([gate[e], up[e]]).double().square().sum(0)
+                                                               for e in range(E))
+    errs = [(he - (nvfp4.fake_quantize(he, per_row=True) if not static else nvfp4.fake_quantize(he, amax=fc2_amax)))
+            .double().square() for he in h]
+    pooled = torch.cat(errs).mean(0)  # an expert no token reached: the layer's pooled fc2 statistics
+    fc2 = [(err.mean(0) if err.shape[0] else pooled) * down[e].double().square().sum(0) for e, err in enumerate(errs)]
     return fc1_amax, fc2_amax, fc1, torch.stack(fc2)
 
 
@@ -190,7 +205,7 @@ def _check_activation_tensors(ckpt, reference, static):
         dims = qwen3_moe.dims_from_hf_config(out.config)
         for layer in range(dims.num_layers):
             fc1_amax, fc2_amax, fc1_score, fc2_score = _expected_layer(reference[layer], static=static)
-            assert float(fc1_amax) > 0 and bool((fc2_amax > 0).all())
+            assert float(fc1_amax) > 0 and float(fc2_amax) > 0
             p = f"model.layers.{layer}.mlp.experts."
             fc1_idx = out.get(f"{p}0.gate_proj.input_comp_index")
             _assert_top_k(fc1_idx, fc1_score, K, f"layer {layer} fc1")
@@ -200,7 +215,7 @@ def _check_activation_tensors(ckpt, reference, static):
                     torch.testing.assert_close(out.get(f"{p}{e}.{proj}.input_scale"), fc1_amax / 2688,
                                                rtol=1e-6, atol=0)
                     assert torch.equal(out.get(f"{p}{e}.{proj}.input_comp_index"), fc1_idx)
-                torch.testing.assert_close(out.get(f"{p}{e}.down_proj.input_scale"), fc2_amax[e] / 2688,
+                torch.testing.assert_close(out.get(f"{p}{e}.down_proj.input_scale"), fc2_amax / 2688,
                                            rtol=1e-5, atol=0)
                 _assert_top_k(out.get(f"{p}{e}.down_proj.input_comp_index"), fc2_score[e], K,
                               f"layer {layer} expert {e} fc2")
