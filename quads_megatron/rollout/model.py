@@ -24,6 +24,23 @@ CALIBRATION_DTYPE = torch.float32
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+def _materialize(model, device) -> None:
+    """Allocate (zeros) every parameter and buffer still on the meta device; recompute the rotary frequencies."""
+    made = {}  # tied parameters (lm_head / embed_tokens) stay one tensor
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.zeros_like(p, device=device), requires_grad=False)
+                module._parameters[name] = made[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.zeros_like(b, device=device)
+    rotary = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(model.config)  # non-persistent inv_freq: computed, never loaded
+
+
 class RolloutModel:
     """An HF Qwen3MoeForCausalLM of ``hf_config`` whose plan-NVFP4 units run ``quads_megatron.kernels``."""
 
@@ -38,10 +55,13 @@ class RolloutModel:
             cfg._experts_implementation = "eager" if self.device.type == "cpu" else "grouped_mm"
         cfg._attn_implementation = "eager" if self.device.type == "cpu" else "sdpa"
         self.hf_config = cfg
-        with torch.device(self.device):
+        # Built on the meta device: the weights the NVFP4 modules replace are never allocated (a real MoE's
+        # experts in fp32 would not fit); the rest is allocated (zeros) and filled by load_weights.
+        with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         self.model.eval().requires_grad_(False)
-        self.modules = install_nvfp4_modules(self.model, plan)
+        self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype)
+        _materialize(self.model, self.device)
         self.calibration: Calibration | None = None  # the last calibrate()'s result
         self._twin: RolloutModel | None = None
 

@@ -270,10 +270,13 @@ def graph_safe(module) -> bool:
     return isinstance(module, (NVFP4Experts, NVFP4Linear))
 
 
-def install_nvfp4_modules(model: nn.Module, plan: QuantPlan) -> dict:
-    """Replace the plan's rollout-NVFP4 units of an HF Qwen3-MoE; return {HF module prefix: module}."""
+def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=None) -> dict:
+    """Replace the plan's rollout-NVFP4 units of an HF Qwen3-MoE; return {HF module prefix: module}.
+
+    device / dtype of the new modules: default, those of the model's first parameter."""
     p0 = next(model.parameters())
-    device, dtype = p0.device, p0.dtype
+    device = p0.device if device is None else device
+    dtype = p0.dtype if dtype is None else dtype
     d = plan.dims
     modules = {}
     for i, layer in enumerate(model.model.layers):
