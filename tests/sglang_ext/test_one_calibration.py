@@ -77,14 +77,14 @@ def _export(hf, out, recipe, scaling):
         return {n: ck.get(n) for n in ck.keys() if n.endswith(("input_scale", "input_comp_index"))}
 
 
-def _engine(hf, other, plan):
+def _engine(hf, other, plan, dtype=torch.float32):
     """The local engine after the GRPO loop's sync: other weights synced and calibrated first, then these."""
     from transformers import Qwen3MoeConfig
 
     from quads_megatron.convert.calibration import random_prompts
     from quads_megatron.rl.engines.local import LocalEngine
 
-    eng = LocalEngine(Qwen3MoeConfig(**CONFIG), plan, max_seq_len=32, device="cpu", dtype=torch.float32)
+    eng = LocalEngine(Qwen3MoeConfig(**CONFIG), plan, max_seq_len=32, device="cpu", dtype=dtype)
     prompts = [p.tolist() for p in random_prompts(CONFIG["vocab_size"], **CALIB)]
     for path in (other, hf):
         eng.update_weights(_hf_stream(path))
@@ -219,3 +219,26 @@ def test_export_engine_and_sglang_hold_the_same_calibration(sglang_runtime, hf_d
             assert torch.equal(sl.input_comp_index.detach(), c.comp_index.repeat(n))
             if static:
                 assert torch.equal(sl.input_global_scale, scale)
+
+
+def test_a_bf16_engine_calibrates_on_an_fp32_twin(hf_dirs, tmp_path):
+    """An engine serving in BF16 (as on a GPU) calibrates an fp32 copy of itself: the checkpoint's numbers again."""
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.plan import QuantPlan
+    from quads_megatron.plan.layout import RolloutLayout
+
+    hf, other = hf_dirs
+    recipe = _recipe(False, "static")
+    plan = QuantPlan.resolve(recipe, qwen3_moe.dims_from_hf_config(json.loads((hf / "config.json").read_text())))
+    disk = _export(hf, tmp_path / "ckpt", recipe, "static")
+    eng = _engine(hf, other, plan, dtype=torch.bfloat16)
+    assert eng.rollout._twin is not None and eng.model.dtype == torch.bfloat16
+    for g in RolloutLayout(plan):
+        c = eng.rollout.calibration[g.name]
+        for i, m in enumerate(g.members):
+            base = m[: -len(".weight")]
+            assert torch.equal(disk[f"{base}.input_scale"], c.input_scale), base
+            idx = c.comp_index[i] if g.per_member_rac else c.comp_index
+            assert torch.equal(disk[f"{base}.input_comp_index"], idx), base
+    experts = eng.nvfp4_modules["model.layers.0.mlp.experts"]
+    assert torch.equal(experts.w2_input_scale, eng.rollout.calibration["model.layers.0.mlp.experts.down_proj"].input_scale)
