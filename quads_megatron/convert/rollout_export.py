@@ -9,7 +9,11 @@ was; config.json gets ``quantization_config`` with ``quant_method: "quads"`` and
 ``hf_quant_config.json`` the ModelOpt-style summary.
 ``--format modelopt`` writes a plain ModelOpt NVFP4 (W4A4, ``quant_algo: NVFP4``) checkpoint that
 stock SGLang / vLLM load as ``modelopt_fp4``.  All NVFP4 numbers come from ``quads_megatron.nvfp4``,
-so dequantizing a weight gives exactly the trainer's ``fake_quantize`` of it.
+so dequantizing a weight gives exactly the trainer's ``fake_quantize`` of it.  Tensor names, shapes and dtypes
+come from the plan's rollout layout (``plan.layout``); ``input_scale`` and ``input_comp_index`` from the plan's
+one calibration (``plan.calibration``) run on the rollout model built from these weights
+(``quads_megatron.rollout.RolloutModel``), so the local engine, calibrating itself on the same prompts,
+holds the same numbers.
 """
 
 import argparse

@@ -67,7 +67,7 @@ def _export(hf, out, recipe, scaling):
     from quads_megatron.convert import rollout_export
 
     (out.parent / "recipe.json").write_text(recipe.to_json())
-    rollout_export.main(["--load-dir", str(hf), "--save-dir", str(out), "--recipe", str(out.parent / "recipe.json"),
+    rollout_export.main(["--load-dir", str(hf), "--save-dir", str(out), "--quads-recipe", str(out.parent / "recipe.json"),
                          "--rac-channels", str(K), "--activation-scaling", scaling, "--calib-size",
                          str(CALIB["num_samples"]), "--calib-seq-len", str(CALIB["seq_len"]), "--seed",
                          str(CALIB["seed"]), "--no-progress"])
