@@ -131,6 +131,7 @@ class GRPOTrainer:
                                        max_new_tokens=args.max_new_tokens, stop_token_ids=[self.eos])
         self.greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=[self.eos])
         self._server = None  # the SGLang server process started by --sglang-launch
+        self._calibration_model = None  # rank 0, SGLang engine: the rollout model a live sync calibrates (fp32)
         self.engine = self._build_engine()
         self.logger = StepLogger(args.tensorboard_dir, enabled=_rank0())
         self.history: list[dict] = []
@@ -166,14 +167,25 @@ class GRPOTrainer:
                            pad_token_id=self.pad)
 
     # ------------------------------------------------------------------ pieces of a step
-    def sync_weights(self, measure_error: bool = False):
-        """Trainer -> rollout engine weight sync; recalibrate RAC channels on a fixed prompt batch.
+    def calibration_prompts(self) -> list[list[int]]:
+        """The fixed prompt batch every weight sync recalibrates the rollout's activation side on."""
+        return [encode_prompt(self.tokenizer, s.prompt) for s in self.task.train_batch(16, seed=-1)]
 
-        SGLang servers are shared by all ranks: every rank joins the gather, rank 0 pushes.
+    def sync_weights(self, measure_error: bool = False):
+        """Trainer -> rollout engine weight sync; recalibrate input scales and RAC channels on a fixed prompt batch.
+
+        The local engine calibrates its own modules after the load; for SGLang servers rank 0 runs the same
+        calibration (``plan.calibration`` on a ``rollout.RolloutModel`` of the synced weights) and sends the
+        resulting ``input_scale`` / ``input_comp_index`` tensors with the weights, so a server holds what the
+        local engine would. SGLang servers are shared by all ranks: every rank joins the gather, rank 0 pushes.
         measure_error: the engine also measures its NVFP4 weight error (for quant_error_report).
         """
         sglang = self.args.rollout_engine == "sglang"
-        weights = self.policy.hf_weights(quantized=sglang and self.engine.sends_nvfp4)
+        calibrate = self.policy.plan.rollout_precision.quantizes_activations
+        if sglang and calibrate:
+            weights = self._sglang_weights_with_calibration()
+        else:
+            weights = self.policy.hf_weights(quantized=sglang and self.engine.sends_nvfp4)
         if sglang and not _rank0():
             for _ in weights:
                 pass
@@ -181,9 +193,30 @@ class GRPOTrainer:
             self.engine.update_weights(weights, measure_error=measure_error)
         if sglang and dist.is_initialized():
             dist.barrier()
-        if hasattr(self.engine, "calibrate") and self.policy.plan.rollout_precision.quantizes_activations:
-            calib = self.task.train_batch(16, seed=-1)
-            self.engine.calibrate([encode_prompt(self.tokenizer, s.prompt) for s in calib])
+        if not sglang and calibrate:
+            self.engine.calibrate(self.calibration_prompts())
+
+    def _sglang_weights_with_calibration(self):
+        """Rank 0: the synced weights (NVFP4 where the plan says and the engine wants it) followed by the
+        activation-side tensors of their calibration; other ranks: the gather to join."""
+        import itertools
+
+        from quads_megatron.plan import quantize_named_params
+        from quads_megatron.rollout import CALIBRATION_DTYPE, RolloutModel
+
+        if not _rank0():
+            return self.policy.hf_weights()
+        hf = list(self.policy.hf_weights())
+        if self._calibration_model is None:
+            from quads_megatron.device import resolve_device
+
+            self._calibration_model = RolloutModel(self.policy.hf_config(), self.policy.plan,
+                                                   dtype=CALIBRATION_DTYPE, device=resolve_device(None))
+        model = self._calibration_model
+        model.load_weights(hf)
+        model.calibrate(self.calibration_prompts())
+        sent = quantize_named_params(hf, self.policy.plan) if self.engine.sends_nvfp4 else hf
+        return itertools.chain(sent, model.activation_tensors())
 
     def rollout(self, step: int):
         """Generate G responses for this rank's prompts; return (samples, rollouts, rewards [N])."""

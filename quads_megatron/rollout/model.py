@@ -160,6 +160,15 @@ class RolloutModel:
         rebound = apply_calibration(self.modules, self.calibration, self.layout, observed=runner.modules)
         return self.refresh_rac_columns() or rebound
 
+    def activation_tensors(self):
+        """``(checkpoint name, tensor)`` of the last calibration's activation side (``input_scale``,
+        ``input_comp_index`` of every activation-quantized weight): what the exporter writes, and what a
+        live weight sync sends an SGLang server."""
+        for g in self.layout:
+            for m in g.members:
+                for suffix, value in self.calibration.for_weight(m).items():
+                    yield f"{m[: -len('.weight')]}.{suffix}", value
+
     def _calibration_twin(self) -> "RolloutModel":
         """An fp32 copy of this model (built once, refilled on every call): the calibration runs in fp32."""
         if self._twin is None:

@@ -1,0 +1,52 @@
+"""A live weight sync to SGLang carries the plan's calibration: the input scales and RAC channels a server receives
+are bit for bit those of the local engine after the same sync (issue 23: one calibration on the whole rollout side).
+
+The GRPO trainer syncs its tiny model to a minimal server speaking SGLang's wire format (the one of
+test_sglang_engine); the reference is a LocalEngine loaded with the trainer's weights and calibrated on the
+trainer's calibration prompts.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_sglang_engine import _Server  # noqa: E402 (this directory is on sys.path under pytest)
+from tiny_flags import TINY
+
+pytest.importorskip("sglang", reason="SGLang is not installed (the wire format's bucket class)")
+
+
+@pytest.mark.parametrize("scaling", ["per_token", "static"])
+def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling):
+    from quads_megatron.rl.arguments import parse_args
+    from quads_megatron.rl.engines.local import LocalEngine
+    from quads_megatron.rl.loop import GRPOTrainer
+
+    server = _Server()
+    try:
+        args = parse_args(TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--rollout-engine", "sglang",
+                                  "--sglang-url", server.url, "--rollout-precision", "w4a4_rac", "--rac-channels", "16",
+                                  "--activation-scaling", scaling])
+        trainer = GRPOTrainer(args)
+        try:
+            trainer.sync_weights()
+            received = {n: t for bucket in server.received for (payload,) in [bucket] for n, t in payload}
+            local = LocalEngine(trainer.policy.hf_config(), trainer.policy.plan, max_seq_len=32, device="cpu",
+                                dtype=torch.float32)
+            local.update_weights(trainer.policy.hf_weights())
+            local.calibrate(trainer.calibration_prompts())
+        finally:
+            trainer.close()
+    finally:
+        server.httpd.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    want = dict(local.rollout.activation_tensors())
+    plan = trainer.policy.plan
+    quantized = [t for t in plan if t.quantized]
+    assert quantized and set(want) == {f"{t.module}.{s}" for t in quantized for s in ("input_scale", "input_comp_index")}
+    for name, t in want.items():
+        assert torch.equal(received[name], t), name
+    experts = local.nvfp4_modules["model.layers.0.mlp.experts"]
+    assert torch.equal(received["model.layers.0.mlp.experts.2.down_proj.input_comp_index"], experts.w2_comp_index[2])
+    assert received["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.uint8   # NVFP4 sent as before
