@@ -179,6 +179,34 @@ class HFCheckpoint:
                 weight_map[name] = filename
         return weight_map
 
+    def dims(self, source: str | None = None):
+        """``qwen3_moe.Dims`` of config.json, refused (ConfigError naming the field) before anything is built
+        when its layer or expert count differs from the tensors the files actually hold: a config asking
+        for 10^6 layers fails here with the memory it would take, not after allocating it."""
+        import re
+
+        from quads_megatron.errors import ConfigError
+        from quads_megatron.models import qwen3_moe
+
+        source = source or str(self.path / "config.json")
+        dims = qwen3_moe.dims_from_hf_config(self.config, source)
+        layers, experts = set(), set()
+        for name in self.weight_map:
+            m = re.match(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name)
+            if m:
+                layers.add(int(m.group(1)))
+                if m.group(2) is not None:
+                    experts.add(int(m.group(2)))
+        gib = qwen3_moe.param_count(dims) * 2 / 2**30
+        for field, want, have in (("num_hidden_layers", dims.num_layers, len(layers)),
+                                  ("num_experts", dims.num_experts, len(experts))):
+            if want != have:
+                raise ConfigError(f"{source}: {field}={want}, but the checkpoint's tensors hold {have} "
+                                  f"({'layers' if field == 'num_hidden_layers' else 'experts per layer'}; a model "
+                                  f"of this config would take about {gib:,.1f} GiB in BF16); refused before "
+                                  "anything is built")
+        return dims
+
     def keys(self) -> list:
         return sorted(self.weight_map)
 

@@ -60,7 +60,7 @@ def convert_hf_to_megatron(load_dir, save_dir, *, params_dtype: str = "fp32", te
     claim = contextlib.nullcontext() if dry_run else claim_output(save_dir, force=force, inputs=inputs)
     with claim:
         ckpt = HFCheckpoint(load_dir)
-        dims = qwen3_moe.dims_from_hf_config(ckpt.config, str(ckpt.path / "config.json"))
+        dims = ckpt.dims()   # layer / expert counts checked against the tensors present, before anything is built
         qwen3_moe.hf_top_k(ckpt.config, str(ckpt.path / "config.json"))
         cli.check_parallel_args(layout, dims)
         ckpt.validate(qwen3_moe.hf_shapes(dims))

@@ -192,7 +192,7 @@ def _export(args, recipe, inputs) -> Path | None:
     ckpt = HFCheckpoint(args.load_dir)
     side_files(args.load_dir, TOKENIZER_FILES)   # a side file leading out of the checkpoint: refused now
     source = str(ckpt.path / "config.json")
-    dims = qwen3_moe.dims_from_hf_config(ckpt.config, source)
+    dims = ckpt.dims(source)   # layer / expert counts checked against the tensors present
     qwen3_moe.hf_top_k(ckpt.config, source)
     check_calibration_fits(args, ckpt.config, source)
     ckpt.validate(qwen3_moe.hf_shapes(dims))

@@ -95,9 +95,39 @@ def read_dcp_metadata(ckpt_dir):
         raise CheckpointError(f"{path}: not torch.distributed.checkpoint metadata ({type(md).__name__})")
     for rel in sorted({getattr(info, "relative_path", None) for info in md.storage_data.values()}, key=str):
         inside(path.parent, rel, f"shard file named in {DCP_METADATA}")
+    check_tensors_stored(md, path)
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
     return md
+
+
+def check_tensors_stored(md, path) -> None:
+    """Every tensor ``.metadata`` declares is covered by its chunks, and every chunk has a shard entry of at
+    least its bytes: with the shard files' lengths checked (``check_files``), the shapes a reader trusts are
+    backed by data on disk, so a declared 10^6-layer tensor cannot make anyone allocate it."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    for fqn, tm in md.state_dict_metadata.items():
+        if not isinstance(tm, TensorStorageMetadata):
+            continue
+        size = tuple(tm.size)
+        if any(not isinstance(n, int) or n < 0 for n in size):
+            raise CheckpointError(f"{path}: tensor {fqn} has an invalid shape {list(size)}")
+        itemsize = tm.properties.dtype.itemsize
+        covered = 0
+        for chunk in tm.chunks:
+            numel = math.prod(chunk.sizes)
+            covered += numel
+            info = md.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            if info is None or int(info.length) < numel * itemsize:
+                have = "no shard entry" if info is None else f"a shard entry of {int(info.length)} bytes"
+                raise CheckpointError(f"{path}: tensor {fqn} {list(size)}: its chunk at {list(chunk.offsets)} needs "
+                                      f"{numel * itemsize} bytes, {DCP_METADATA} gives {have}")
+        if covered != math.prod(size):
+            raise CheckpointError(f"{path}: tensor {fqn} declares shape {list(size)} ({math.prod(size)} elements), "
+                                  f"but its chunks hold {covered}: not backed by the shards")
 
 
 def _unsafe_globals(source) -> list:

@@ -25,7 +25,7 @@ import re
 
 import torch
 
-from quads_megatron.errors import CheckpointError
+from quads_megatron.errors import CheckpointError, ConfigError
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 HF_MODEL_TYPE = "qwen3_moe"
@@ -146,10 +146,57 @@ def _int_field(cfg: dict, key: str, source: str, default=_REQUIRED, minimum: int
             raise CheckpointError(f"{source}: missing field {key!r}")
         value = default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointError(f"{source}: {key} must be an integer, found {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{source}: {key} must be an integer, found {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise CheckpointError(f"{source}: {key} must be >= {minimum}, found {value}")
+        raise ConfigError(f"{source}: {key} must be >= {minimum}, found {value}")
     return value
+
+
+def _float_field(cfg: dict, key: str, source: str, default: float, positive: bool = False) -> float:
+    """``cfg[key]`` as a finite float (an int is fine; a string or bool is refused, not converted)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
+            value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{source}: {key} must be a finite number, found {value!r} ({type(value).__name__})")
+    if positive and value <= 0:
+        raise ConfigError(f"{source}: {key} must be > 0, found {value}")
+    return float(value)
+
+
+def _bool_field(cfg: dict, key: str, source: str, default: bool = False) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, found {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_scalar_fields(cfg: dict, source: str = "config.json") -> None:
+    """The non-shape fields the converters and the trainer read (norm epsilon, RoPE, router options,
+    positions): each of the type it must have, or a ConfigError naming it."""
+    _float_field(cfg, "rms_norm_eps", source, 1e-6, positive=True)
+    _float_field(cfg, "router_aux_loss_coef", source, 1e-3)
+    _bool_field(cfg, "norm_topk_prob", source)
+    if cfg.get("intermediate_size") is not None:
+        _int_field(cfg, "intermediate_size", source)
+    if cfg.get("max_position_embeddings") is not None:
+        _int_field(cfg, "max_position_embeddings", source)
+    params = cfg.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"{source}: rope_parameters must be an object, found {params!r}")
+    _float_field(params or {}, "rope_theta", f"{source} rope_parameters", 10000.0, positive=True)
+    _float_field(cfg, "rope_theta", source, 10000.0, positive=True)
+
+
+def param_count(dims: "Dims") -> int:
+    """Parameters of the model ``dims`` describes (embedding, output layer unless tied, attention, norms,
+    router, experts): what building it allocates, before any activation."""
+    H, D, F, E = dims.hidden_size, dims.head_dim, dims.moe_ffn, dims.num_experts
+    attention = (dims.num_heads + 2 * dims.num_kv_heads) * D * H + H * dims.num_heads * D + 2 * D
+    per_layer = attention + 2 * H + E * H + E * 3 * F * H
+    vocab = dims.vocab_size * H * (1 if dims.tie_word_embeddings else 2)
+    return vocab + H + dims.num_layers * per_layer
 
 
 def hf_top_k(cfg: dict, source: str = "config.json") -> int:
@@ -182,9 +229,8 @@ def dims_from_hf_config(cfg: dict, source: str = "config.json") -> Dims:
             raise CheckpointError(f"{source}: no head_dim and hidden_size={hidden} is not a multiple of "
                                   f"num_attention_heads={heads}")
         head_dim = hidden // heads
-    tie = cfg.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise CheckpointError(f"{source}: tie_word_embeddings must be true or false, found {tie!r}")
+    tie = _bool_field(cfg, "tie_word_embeddings", source)
+    check_scalar_fields(cfg, source)
     dims = Dims(
         vocab_size=_int_field(cfg, "vocab_size", source), hidden_size=hidden,
         num_layers=_int_field(cfg, "num_hidden_layers", source), num_heads=heads,

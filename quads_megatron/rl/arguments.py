@@ -266,7 +266,7 @@ def model_dims(args):
 
         ckpt = HFCheckpoint(args.hf_checkpoint)
         source = str(ckpt.path / "config.json")
-        return qwen3_moe.dims_from_hf_config(ckpt.config, source), qwen3_moe.hf_top_k(ckpt.config, source)
+        return ckpt.dims(source), qwen3_moe.hf_top_k(ckpt.config, source)
     if args.preset not in PRESETS:
         raise ConfigError(f"--preset {args.preset}: unknown; expected one of {sorted(PRESETS)}")
     t = dict(PRESETS[args.preset]["transformer"])
@@ -290,7 +290,10 @@ def check_model(args) -> None:
     """
     from quads_megatron.plan import QuantPlan
 
+    from .memory import check_memory
+
     dims, topk = model_dims(args)
+    check_memory(args, dims)   # before the plan: resolving it lists every expert's tensors
     source = f"--hf-checkpoint {args.hf_checkpoint}" if args.hf_checkpoint else f"--preset {args.preset}"
     if topk is not None and topk > dims.num_experts:
         raise ConfigError(f"--moe-router-topk {topk}: must be <= the number of experts ({dims.num_experts}, "

@@ -190,6 +190,40 @@ def test_prompt_longer_than_seq_length_before_the_model(tmp_path, capsys):
     assert "--seq-length 8" in err and "--task sort:3" in err
 
 
+# ------------------------------------------------------------------ sizes: estimated before anything is allocated
+
+MEMORY_CASES = {
+    "seq-length-1e9": (["--seq-length", "1000000000"], ["--seq-length 1000000000", "rollout KV cache", "GiB"]),
+    "num-experts-1e9": (["--num-experts", "1000000000"], ["--num-experts 1000000000", "trainer weights", "GiB"]),
+    "num-layers-1e6": (["--num-layers", "1000000"], ["--num-layers 1000000", "GiB"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MEMORY_CASES))
+def test_run_that_cannot_fit_in_memory_is_refused_before_any_model(case, tmp_path, capsys):
+    extra, words = MEMORY_CASES[case]
+    assert run_cli(parse_args, _flags(tmp_path, *extra), prog=PROG) == 2
+    err = _one_line(capsys)
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_seq_length_1e6_is_refused_where_its_kv_cache_cannot_fit(tmp_path, capsys):
+    """The issue's case: 16 rollout + 64 pass@1 sequences x 10^6 positions x (2 layers x K,V x 2 KV heads x 16
+    dims x 4 bytes) is 38 GiB of KV cache alone (by hand); refused wherever that exceeds the memory."""
+    import torch
+
+    kv = (16 + 64) * 10**6 * (2 * 2 * 2 * 16 * 4)
+    if torch.cuda.is_available():
+        pytest.skip("compares against host memory")
+    avail = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    if avail >= kv:
+        pytest.skip(f"this machine has {avail / 2**30:.0f} GiB available")
+    assert run_cli(parse_args, _flags(tmp_path, "--seq-length", "1000000"), prog=PROG) == 2
+    err = _one_line(capsys)
+    assert "--seq-length 1000000:" in err and "available host memory" in err, err
+
+
 # ------------------------------------------------------------------ checkpoints of the GRPO loop
 
 @pytest.fixture(scope="module")

@@ -396,3 +396,70 @@ def test_a_manifest_entry_outside_the_directory_is_refused(tmp_path):
     _secret(tmp_path)
     with pytest.raises(CheckpointError, match=r"secret\.txt: resolves to .*outside the checkpoint"):
         verify_manifest(root)
+
+
+# ---------------------------------------------------------------- sizes: checked against the tensors present, first
+
+def _edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("field, value, what", [("num_hidden_layers", 10**6, "layers"),
+                                                ("num_experts", 10**9, "experts per layer")])
+@pytest.mark.parametrize("tool", ["hf-to-megatron", "export-rollout"])
+def test_config_asking_for_a_huge_model_is_refused_against_the_tensors(tool, field, value, what, hf, tmp_path,
+                                                                       capsys):
+    src = shutil.copytree(hf, tmp_path / "src")
+    _edit_config(src, **{field: value})
+    out = tmp_path / "out"
+    main = hf_to_megatron.main if tool == "hf-to-megatron" else rollout_export.main
+    have = 2 if field == "num_hidden_layers" else 4   # the tiny model's tensors (convert_fixtures)
+    line = _refused(main, ["--load-dir", str(src), "--save-dir", str(out), "--no-progress"], capsys,
+                    rf"config\.json: {field}={value}, but the checkpoint's tensors hold {have} \({what}; .* GiB",
+                    out)
+    assert str(src / "config.json") in line
+
+
+@pytest.mark.parametrize("field, value, shapes", [
+    ("num_hidden_layers", 10**6, r"has shape \[2, 128, 64\], --hf-config .* implies \[1000000, 128, 64\]"),
+    ("num_experts", 10**9, r"has shape \[2, 4, 64\], --hf-config .* implies \[2, 1000000000, 64\]")])
+def test_megatron_conversion_with_a_huge_hf_config_is_refused_before_building(field, value, shapes, mg, tmp_path,
+                                                                               capsys):
+    cfg = json.loads((mg.parent / "hf" / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    _refused(megatron_to_hf.main, ["--load-dir", str(mg), "--save-dir", str(out), "--no-progress", "--hf-config",
+                                   str(tmp_path / "config.json")], capsys, shapes, out)
+
+
+def test_dcp_metadata_declaring_a_tensor_its_shards_do_not_hold_is_refused(mg, tmp_path, capsys):
+    src = shutil.copytree(mg, tmp_path / "src")
+    md = _dcp_metadata(src)
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    md.state_dict_metadata[key].size = torch.Size([10**6, *list(md.state_dict_metadata[key].size)[1:]])
+    _write_metadata(src, md)
+    write_manifest(src)
+    line = _refused(megatron_to_hf.main, ["--load-dir", str(src), "--save-dir", str(tmp_path / "out"),
+                                          "--no-progress"], capsys, "not backed by the shards", tmp_path / "out")
+    assert key in line and "1000000" in line
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rms_norm_eps", "1e-6", r"rms_norm_eps must be a finite number, found '1e-6' \(str\)"),
+    ("norm_topk_prob", "yes", r"norm_topk_prob must be true or false, found 'yes'"),
+    ("max_position_embeddings", 64.5, r"max_position_embeddings must be an integer, found 64\.5"),
+    ("rope_theta", [1], r"rope_theta must be a finite number, found \[1\]"),
+    ("intermediate_size", "128", r"intermediate_size must be an integer, found '128'"),
+])
+def test_config_field_of_the_wrong_type_is_a_named_config_error(field, value, match, hf, tmp_path, capsys):
+    from quads_megatron.errors import ConfigError
+    from quads_megatron.models import qwen3_moe
+
+    src = shutil.copytree(hf, tmp_path / "src")
+    _edit_config(src, **{field: value})
+    with pytest.raises(ConfigError, match=match):
+        qwen3_moe.dims_from_hf_config(json.loads((src / "config.json").read_text()))
+    _refused(*_to_megatron(src, tmp_path / "out"), capsys, match, tmp_path / "out")
