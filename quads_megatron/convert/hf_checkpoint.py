@@ -58,7 +58,7 @@ def write_json(path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-QUADS_SIDE_FILES = ("quads_recipe.json", "hf_quant_config.json")  # written by the converter / exporter only
+QUADS_RECIPE_FILE = "quads_recipe.json"   # written by quads-convert-megatron-to-hf only
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 TOKENIZER_CORE = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")  # one makes a tokenizer
@@ -129,12 +129,18 @@ class HFCheckpoint:
     def quads_evidence(self) -> str | None:
         """What says we wrote this directory: our side files, our producer in a quantization config or in
         the safetensors metadata; None for someone else's checkpoint."""
-        for f in QUADS_SIDE_FILES:
-            if (self.path / f).is_file():
-                return str(self.path / f)
-        qc = self.config.get("quantization_config")
-        if isinstance(qc, dict) and isinstance(qc.get("producer"), dict) and qc["producer"].get("name") == PRODUCER:
+        if (self.path / QUADS_RECIPE_FILE).is_file():
+            return str(self.path / QUADS_RECIPE_FILE)
+
+        def ours(block) -> bool:
+            return isinstance(block, dict) and isinstance(block.get("producer"), dict) and \
+                block["producer"].get("name") == PRODUCER
+
+        if ours(self.config.get("quantization_config")):
             return f"{self.path / 'config.json'} (quantization_config.producer)"
+        summary = self.path / "hf_quant_config.json"   # ModelOpt writes one too: only our producer counts
+        if summary.is_file() and ours(read_json(self.file(summary.name), summary.name)):
+            return f"{summary} (producer)"
         for filename in sorted(set(self.weight_map.values())):
             if (self._open(filename).metadata() or {}).get("producer") == PRODUCER:
                 return f"{self.path / filename} (safetensors metadata producer={PRODUCER})"

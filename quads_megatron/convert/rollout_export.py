@@ -144,6 +144,16 @@ def check_args(args) -> list:
         raise ConfigError(f"--rac-channels {args.rac_channels}: must be >= 0")
     resolve_device(args.device, what="--device")
     cli.parse_size(args.max_shard_size)
+    if args.format == "modelopt":   # ModelOpt NVFP4 is W4A4 with static input scales, no RAC: nothing else fits
+        precision = args.rollout_precision and vocab.parse_precision(args.rollout_precision, "--rollout-precision")
+        for flag, value, same, fits in (
+                ("--rollout-precision", args.rollout_precision, precision is Precision.W4A4, "w4a4"),
+                ("--activation-scaling", args.activation_scaling,
+                 args.activation_scaling == ActivationScaling.STATIC.value, ActivationScaling.STATIC.value),
+                ("--rac-channels", args.rac_channels, args.rac_channels == 0, 0)):
+            if value is not None and not same:
+                raise ConfigError(f"{flag} {value}: --format modelopt cannot express it (ModelOpt NVFP4 is W4A4 "
+                                  f"with static input scales and no RAC: {flag} {fits}); use --format quads")
     if args.tokenizer_dir is not None:
         check_tokenizer_dir(args.tokenizer_dir)
     return [("--load-dir", args.load_dir), ("--tokenizer-dir", args.tokenizer_dir),

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from quads_megatron.output_dir import atomic_output_dir
-from quads_megatron.errors import CheckpointError
+from quads_megatron.errors import CheckpointError, Interrupted
 from quads_megatron.integrity import PRODUCER, read_manifest, require_manifest, verify_manifest, write_manifest
 from quads_megatron.megatron.aqat import quads_recipe, unwrap_model
 from quads_megatron.megatron.cpu import cuda_to_cpu
@@ -532,6 +532,31 @@ def _write_tracker(save_dir: Path, iteration: int) -> None:
     os.replace(tmp, save_dir / TRACKER)
 
 
+def _write_failure(e: BaseException, save_dir: Path) -> str | None:
+    """What failed when a save's writing failed (a full or read-only disk, a file too large: an OSError, or torch
+    DCP's CheckpointException around a writer's OSError / short write), with the free space left; None for
+    anything else (a signal, a bug)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        causes = [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
+        if any(isinstance(c, (KeyboardInterrupt, Interrupted)) for c in causes):
+            return None
+        e = next((c for c in causes if isinstance(c, OSError)), causes[0] if causes else e)
+    elif not isinstance(e, OSError):
+        return None
+    if isinstance(e, OSError):
+        what = f"{e.strerror or e}" + (f" writing {e.filename}" if e.filename else "")
+    else:
+        text = str(e).strip().splitlines()
+        what = f"{type(e).__name__}: {text[0][:160] if text else ''}"
+    try:
+        free = f"; {shutil.disk_usage(save_dir).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = ""
+    return what + free
+
+
 def save_iteration(model, save_dir, iteration: int, optimizer=None, *, common=None, rank_state=None,
                    metadata=None, replace: bool = False) -> Path:
     """Save ``{save_dir}/iter_NNNNNNN`` atomically and point the tracker at it; collective (every rank).
@@ -549,8 +574,16 @@ def save_iteration(model, save_dir, iteration: int, optimizer=None, *, common=No
     final = iteration_dir(save_dir, iteration)
     # rank 0 locks nothing here: the run holds its --save directory (claim_output); a stale iteration of a
     # dead run (written, tracker not yet moved) is ours and replaced
-    with atomic_output_dir(final, force=True, flag="--save", lock=False, manifest=False, collective=True) as tmp:
-        _write(model, tmp, optimizer, metadata, common, rank_state)
+    try:
+        with atomic_output_dir(final, force=True, flag="--save", lock=False, manifest=False, collective=True) as tmp:
+            _write(model, tmp, optimizer, metadata, common, rank_state)
+    except BaseException as e:   # the partial iteration is gone (atomic_output_dir); the tracker was not moved
+        cause = _write_failure(e, save_dir)
+        if cause is not None:
+            kept = f"iteration {latest}" if latest is not None else "no earlier checkpoint"
+            raise CheckpointError(f"{save_dir}: saving iteration {iteration} failed ({cause}); the partial "
+                                  f"{final.name} was removed, {TRACKER} still names {kept}") from None
+        raise
     if _rank() == 0:
         _write_tracker(save_dir, iteration)
         if replace:

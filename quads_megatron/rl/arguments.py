@@ -115,9 +115,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--force", action="store_true",
                    help="start over in a --save directory that already holds a checkpoint: its iterations "
                         "are replaced at this run's first save")
+    g.add_argument("--resume-allow-change", action="append", default=None, metavar="FLAG[,FLAG]",
+                   help="resume although these training flags differ from the checkpoint's (e.g. lr,seq-length); "
+                        f"allowed: {', '.join(f.replace('_', '-') for f in RESUME_MAY_CHANGE)}")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     g.add_argument("--summary-json", default=None, help="also write the final summary here")
     return p
+
+
+def _writable_dir(path: Path) -> str | None:
+    """Why a directory cannot be created or written at ``path`` (its nearest existing ancestor decides), or None."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def check_output_files(args) -> None:
+    """--tensorboard-dir and --summary-json can be written: refused now (one line) rather than at the first
+    event or after the last step."""
+    tb = Path(args.tensorboard_dir)
+    if tb.exists() and not tb.is_dir():
+        raise ConfigError(f"--tensorboard-dir {tb}: exists and is not a directory")
+    why = _writable_dir(tb)
+    if why:
+        raise ConfigError(f"--tensorboard-dir {tb}: cannot be created ({why})")
+    if args.summary_json:
+        out = Path(args.summary_json)
+        if out.is_dir():
+            raise ConfigError(f"--summary-json {out}: is a directory (expected a file path)")
+        if not out.parent.is_dir():
+            raise ConfigError(f"--summary-json {out}: its directory {out.parent} does not exist")
+        if not os.access(out.parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+            raise ConfigError(f"--summary-json {out}: not writable")
 
 
 def _held_checkpoint(save: str) -> str | None:
@@ -190,6 +226,9 @@ _UPPER_BOUNDS = [("top_p", 1.0, True), ("adam_beta1", 1.0, False), ("adam_beta2"
                  ("eps_clip", 1.0, False)]
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -215,6 +254,12 @@ def check_ranges(args) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if getattr(args, name) < 0:
             raise ConfigError(f"{_flag(name)} {getattr(args, name)}: must be in [0, 1)")
+    for name in ("lr", "sft_lr"):   # Adam's first update is lr / (1 - beta1), a float32 scalar
+        first = getattr(args, name) / (1 - args.adam_beta1)
+        if first > _FLOAT32_MAX:
+            raise ConfigError(f"{_flag(name)} {getattr(args, name)}: too large: Adam's first step size "
+                              f"{_flag(name)} / (1 - --adam-beta1) = {first:.3g} exceeds float32's largest value "
+                              f"{_FLOAT32_MAX:.3g}")
     if args.mis_low >= args.mis_high:
         raise ConfigError(f"--mis-low {args.mis_low} / --mis-high {args.mis_high}: --mis-low must be below --mis-high")
 
@@ -322,6 +367,8 @@ def check_checkpoint_flags(args, explicit_load: bool) -> None:
         raise ConfigError(f"--save-interval {args.save_interval}: must be >= 0 (0: save only at the end)")
     if args.force and not args.save:
         raise ConfigError("--force needs --save")
+    if args.resume_allow_change and not args.load:
+        raise ConfigError("--resume-allow-change needs --load or --resume (it allows changes against a checkpoint)")
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
         raise ConfigError(f"--save {args.save}: exists and is not a directory")
     if args.force and args.save and Path(args.save).is_dir():
@@ -343,17 +390,42 @@ def check_checkpoint_flags(args, explicit_load: bool) -> None:
         check_resume_matches(args)
 
 
-# flags that must equal the checkpoint's when resuming: another value trains a different run
+# flags that must equal the checkpoint's when resuming: another value trains another model on other data
 RESUME_MUST_MATCH = ("task", "eval_data", "preset", "num_layers", "hidden_size", "num_experts", "moe_router_topk")
+# flags that change how the run continues: refused unless --resume-allow-change names them (then logged)
+RESUME_MAY_CHANGE = ("seq_length", "lr", "n_samples_per_prompt", "rollout_batch_size", "global_batch_size",
+                     "micro_batch_size", "max_new_tokens", "temperature", "top_p", "eps_clip", "eps_clip_high",
+                     "use_tis", "tis_cap", "use_mis", "mis_low", "mis_high", "kl_coef",
+                     "disable_grpo_std_normalization", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay",
+                     "clip_grad", "seed", "bf16")
+
+
+def _allowed_changes(args) -> set:
+    """The flags --resume-allow-change names (comma-separated or repeated), each one of RESUME_MAY_CHANGE."""
+    allowed = set()
+    for item in args.resume_allow_change or ():
+        for name in filter(None, (n.strip().removeprefix("--").replace("-", "_") for n in item.split(","))):
+            if name in RESUME_MUST_MATCH:
+                raise ConfigError(f"--resume-allow-change {_flag(name)[2:]}: {_flag(name)} must always match the "
+                                  "checkpoint (another value trains another model or task)")
+            if name not in RESUME_MAY_CHANGE:
+                raise ConfigError(f"--resume-allow-change {name.replace('_', '-')}: not a flag of the run's training; "
+                                  f"expected some of {', '.join(f.replace('_', '-') for f in RESUME_MAY_CHANGE)}")
+            allowed.add(name)
+    return allowed
 
 
 def check_resume_matches(args) -> None:
-    """Refuse to resume a checkpoint saved by a run with another --task (or model shape); reads only common.pt."""
+    """Resume only what was saved: refuse (one line listing every difference) a checkpoint of another --task or
+    model shape, changed training flags unless --resume-allow-change names them (each allowed change is
+    logged), and a --train-iters below the checkpoint's iteration.  Reads only common.pt."""
     import json
 
     from quads_megatron.megatron.checkpoint import latest_iteration, load_common_state
 
-    if latest_iteration(args.load) is None:
+    allowed = _allowed_changes(args)
+    iteration = latest_iteration(args.load)
+    if iteration is None:
         return
     state = load_common_state(args.load).get("grpo_loop")
     if not isinstance(state, dict):
@@ -363,11 +435,32 @@ def check_resume_matches(args) -> None:
         saved = json.loads(state.get("args") or "{}")
     except (TypeError, json.JSONDecodeError):
         raise CheckpointError(f"--load {args.load}: the GRPO state's 'args' is not JSON") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"--load {args.load}: the GRPO state's 'args' is not a JSON object")
     saved.setdefault("task", state.get("task"))
-    for name in RESUME_MUST_MATCH:
-        if name in saved and saved[name] != getattr(args, name):
-            raise ConfigError(f"{_flag(name)} {getattr(args, name)}: the checkpoint in {args.load} was trained "
-                              f"with {_flag(name)} {saved[name]}; resume with the same value or start a new --save")
+
+    def differs(name):
+        return name in saved and saved[name] != getattr(args, name)
+
+    def shown(name, value):
+        return f"{_flag(name)} {value}"
+
+    fixed = [n for n in RESUME_MUST_MATCH if differs(n)]
+    changed = [n for n in RESUME_MAY_CHANGE if differs(n)]
+    refused = fixed + [n for n in changed if n not in allowed]
+    if refused:
+        diffs = "; ".join(f"{shown(n, getattr(args, n))} (the checkpoint's: {shown(n, saved[n])})" for n in refused)
+        hint = "" if fixed else (f"; to change them on purpose pass --resume-allow-change "
+                                 f"{','.join(n.replace('_', '-') for n in refused)}")
+        raise ConfigError(f"--load {args.load} was trained with other settings: {diffs}; resume with the checkpoint's "
+                  f"values{hint}, or start a new --save")
+    if args.train_iters < iteration:
+        raise ConfigError(f"--train-iters {args.train_iters}: below the checkpoint's iteration {iteration} in "
+                          f"{args.load}; pass --train-iters {iteration + 1} or more to continue it")
+    if changed and int(os.environ.get("RANK", 0)) == 0:
+        for n in changed:
+            print(f"train_grpo_moe: note: resuming {args.load} with {shown(n, getattr(args, n))} (the checkpoint "
+                  f"was trained with {shown(n, saved[n])}), allowed by --resume-allow-change", flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -398,4 +491,5 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"{args.recipe.rollout_precision.value}")
     if args.tensorboard_dir is None:
         args.tensorboard_dir = os.path.join("runs", args.exp_name)
+    check_output_files(args)
     return args

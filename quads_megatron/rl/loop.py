@@ -60,14 +60,25 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def check_finite(what: str, step: int, bad_here: bool) -> None:
+def check_finite(what: str, step: int, bad_here: bool, note: str = "") -> None:
     """NonFiniteError naming ``what`` and the GRPO step when it is NaN/Inf on any rank (collective).
 
     Raised before the step's optimizer update and save, so the last good checkpoint stays the latest.
     """
     if _any_rank(bad_here):
-        raise NonFiniteError(f"step {step}: {what} is NaN or Inf; stopping before the optimizer update and "
+        raise NonFiniteError(f"step {step}: {what} is NaN or Inf{note}; stopping before the optimizer update and "
                              "before saving, so the last checkpoint is the last good one")
+
+
+def check_finite_weights(policy, step, lr: str) -> None:
+    """NonFiniteError naming the step and the first weight that holds NaN/Inf after an optimizer update (a
+    learning rate ``lr`` too large for the model), on any rank; before the step is saved."""
+    bad = policy.first_nonfinite_weight()
+    if _any_rank(bad is not None):
+        where = f"weight {bad}" if bad is not None else "a weight on another rank"
+        raise NonFiniteError(f"{'step ' if isinstance(step, int) else ''}{step}: {where} holds NaN or Inf after the "
+                             f"optimizer update ({lr} too large?); stopping before saving, so the last checkpoint is "
+                             "the last good one")
 
 
 def _nonfinite(t: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
@@ -83,6 +94,20 @@ def _set_threads():
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def _write_summary(path: Path, text: str, flag: str) -> None:
+    """Write ``text`` to ``path`` through a sibling temporary file, so a full or read-only disk leaves the old
+    file as it was; the OSError is a one-line ConfigError naming ``flag``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{flag}: writing {path} failed: {e.strerror or e}") from None
 
 
 class GRPOTrainer:
@@ -109,6 +134,7 @@ class GRPOTrainer:
         except ValueError as e:
             raise InputError(f"--task {args.task}: {e}") from None
         self.policy = MegatronPolicy(args, vocab)
+        self._check_token_ids(fixed)
         self.dp_rank, self.dp_size = self.policy.dp_rank_size()
         if args.rollout_batch_size % self.dp_size:
             raise ConfigError(f"--rollout-batch-size {args.rollout_batch_size} is not divisible by the "
@@ -277,10 +303,13 @@ class GRPOTrainer:
                     for k, v in mm.items():
                         stats[k] += float(v) * float(mb.mask.sum() / denom)
                     gaps.append((olp - mb.rollout_logp)[mb.mask.bool()])
+            weights = self._weights_note() if bad else ""
             for what in ("the trainer log-prob", "the GRPO loss"):
-                check_finite(what, step, bad == what)
+                check_finite(what, step, bad == what, weights)
             norm = self.policy.optimizer_step()
-            check_finite(f"the gradient norm ({norm})", step, not math.isfinite(norm))
+            check_finite(f"the gradient norm ({norm})", step, not math.isfinite(norm),
+                         self._weights_note() if not math.isfinite(norm) else "")
+            check_finite_weights(self.policy, step, f"--lr {self.args.lr}")
             stats["grad_norm"] += norm / self.steps_per_rollout
         return stats, torch.cat(gaps).cpu() if gaps else torch.zeros(0)
 
@@ -316,6 +345,7 @@ class GRPOTrainer:
             loss = -masked_mean(lp, mask)
             loss.backward()
             self.policy.optimizer_step(opt)
+            check_finite_weights(self.policy, f"SFT warm-up iteration {it + 1}", f"--sft-lr {a.sft_lr}")
             if it % 20 == 0 or it == a.sft_iters - 1:
                 _print(f"[sft] iter {it + 1}/{a.sft_iters} loss {loss.item():.4f} ({time.perf_counter() - t0:.1f}s)")
         self.logger.text("sft", f"{a.sft_iters} warm-up steps, final loss {loss.item():.4f}")
@@ -355,8 +385,9 @@ class GRPOTrainer:
             t1 = time.perf_counter()
             adv = grpo_advantages(rewards, a.n_samples_per_prompt, normalize_std=not a.disable_grpo_std_normalization)
             batch = build_train_batch(rollouts, adv, self.pad)
-            check_finite("the rollout log-prob (from the rollout engine)", step + 1,
-                         _nonfinite(batch.rollout_logp, batch.mask))
+            bad_rollout = _nonfinite(batch.rollout_logp, batch.mask)
+            check_finite("the rollout log-prob (from the rollout engine)", step + 1, bad_rollout,
+                         self._weights_note() if bad_rollout else "")
             stats, gaps = self.train_on(batch, step + 1)
             t2 = time.perf_counter()
             it = step + 1
@@ -452,6 +483,28 @@ class GRPOTrainer:
         _print(f"resumed from {state['dir']} at iteration {state['iteration']}")
         return {"iteration": state["iteration"], "rng": rng}
 
+    def _weights_note(self) -> str:
+        """What a non-finite quantity is reported with: the largest (or first non-finite) weight and the lr."""
+        return f" (largest weight: {self.policy.largest_weight()}; --lr {self.args.lr})"
+
+    def _check_token_ids(self, samples) -> None:
+        """Every token id the run feeds the model (the task's prompts, BOS/EOS/PAD) lies inside its vocabulary:
+        a tokenizer of another model is an InputError naming it, not an index error inside the embedding."""
+        vocab = self.policy.vocab_size
+        source = f"the tokenizer of {self.args.tokenizer or self.args.hf_checkpoint or 'the built-in characters'}"
+        for what, tid in (("eos_token_id", self.tokenizer.eos_token_id), ("pad_token_id", self.tokenizer.pad_token_id),
+                          ("bos_token_id", self.tokenizer.bos_token_id)):
+            if tid is not None and not 0 <= tid < vocab:
+                raise InputError(f"{source}: {what}={tid} is outside the model's vocabulary of {vocab} tokens; "
+                                 "use the model's own tokenizer")
+        for s in samples:
+            ids = encode_prompt(self.tokenizer, s.prompt)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InputError(f"--task {self.args.task}: prompt {s.prompt[:40]!r} encodes (with {source}) to token "
+                                 f"id {bad}, outside the model's vocabulary of {vocab} tokens; use the model's own "
+                                 "tokenizer")
+
     def summary(self) -> dict:
         """Reward before/after, pass@1 before/after, mean log-prob gap: printed, to TensorBoard and JSON."""
         steps = [h for h in self.history if "step" in h]
@@ -477,9 +530,10 @@ class GRPOTrainer:
                     f"mean |logp_train - logp_rollout| {fmt(out['mean_logprob_abs_diff'])}")
             print(text, flush=True)
             self.logger.text("summary", text)
-            Path(self.args.tensorboard_dir).mkdir(parents=True, exist_ok=True)
-            for path in filter(None, [os.path.join(self.args.tensorboard_dir, "summary.json"), self.args.summary_json]):
-                Path(path).write_text(json.dumps(out, indent=2) + "\n")
+            for flag, path in (("--tensorboard-dir", os.path.join(self.args.tensorboard_dir, "summary.json")),
+                               ("--summary-json", self.args.summary_json)):
+                if path:
+                    _write_summary(Path(path), json.dumps(out, indent=2) + "\n", flag)
         return out
 
     def close(self):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -19,6 +21,23 @@ def mismatch_stats(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
         "train_rollout_logprob_abs_diff": masked_mean(gap.abs(), m),
         "train_rollout_kl": masked_mean(k3_kl(rollout_logp.detach(), train_logp.detach()), m),
     }
+
+
+def _quiet_event_writer_errors() -> None:
+    """TensorBoard's event writer thread prints the traceback of a failed write (full or read-only disk) and
+    re-raises the error in the next ``add_*``/``flush``, where StepLogger names it in one line: keep the
+    thread's copy quiet (every other thread's exception is printed as before)."""
+    previous = threading.excepthook
+    if getattr(previous, "_quads_quiet", False):
+        return
+
+    def hook(args):
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    hook._quads_quiet = True
+    threading.excepthook = hook
 
 
 class StepLogger:
@@ -38,8 +57,21 @@ class StepLogger:
         if enabled and self.dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=str(self.dir))
+            _quiet_event_writer_errors()
+            with self._named_write_errors():
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self.writer = SummaryWriter(log_dir=str(self.dir))
+
+    @contextlib.contextmanager
+    def _named_write_errors(self):
+        """A full or read-only disk under --tensorboard-dir is a one-line ConfigError naming it, not a traceback."""
+        from quads_megatron.errors import ConfigError
+
+        try:
+            yield
+        except OSError as e:
+            raise ConfigError(f"--tensorboard-dir {self.dir}: writing TensorBoard events failed: "
+                              f"{e.strerror or e}") from None
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, torch.Tensor] | None = None,
             line: bool = True) -> str:
@@ -47,13 +79,14 @@ class StepLogger:
         if not self.enabled:
             return ""
         if self.writer is not None:
-            for k, v in scalars.items():
-                if v is not None and math.isfinite(float(v)):
-                    self.writer.add_scalar(k, float(v), step)
-            for k, h in (histograms or {}).items():
-                if h is not None and h.numel():
-                    self.writer.add_histogram(k, h.detach().float().cpu(), step)
-            self.writer.flush()
+            with self._named_write_errors():
+                for k, v in scalars.items():
+                    if v is not None and math.isfinite(float(v)):
+                        self.writer.add_scalar(k, float(v), step)
+                for k, h in (histograms or {}).items():
+                    if h is not None and h.numel():
+                        self.writer.add_histogram(k, h.detach().float().cpu(), step)
+                self.writer.flush()
         parts = [f"step {step}"]
         for key, short, fmt in self.LINE_KEYS:
             if key in scalars and scalars[key] is not None:
@@ -66,9 +99,11 @@ class StepLogger:
     def text(self, tag: str, value: str, step: int = 0) -> None:
         """Record a text summary (run config, final summary)."""
         if self.enabled and self.writer is not None:
-            self.writer.add_text(tag, value, step)
-            self.writer.flush()
+            with self._named_write_errors():
+                self.writer.add_text(tag, value, step)
+                self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with contextlib.suppress(OSError):   # a failed write was reported by log() already; close runs in finally
+                self.writer.close()

@@ -142,6 +142,27 @@ class MegatronPolicy:
             post_optimizer_hook(self.model)
         return norm
 
+    def first_nonfinite_weight(self) -> str | None:
+        """The name of the first parameter holding NaN/Inf, or None; one max-abs reduction over all of them
+        (no overflow, NaN propagates) unless something is wrong."""
+        params = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        if not params:
+            return None
+        peak = torch.nn.utils.get_total_norm([p for _, p in params], norm_type=float("inf"))
+        if bool(torch.isfinite(peak)):
+            return None
+        return next((n for n, p in params if not bool(torch.isfinite(p).all())), None)
+
+    def largest_weight(self) -> str:
+        """``name |w|max=...`` of the parameter with the largest magnitude (or the first non-finite one): what a
+        non-finite loss is reported with, since an oversized learning rate shows there first."""
+        bad = self.first_nonfinite_weight()
+        if bad is not None:
+            return f"{bad} holds NaN or Inf"
+        name, peak = max(((n, float(p.detach().abs().max())) for n, p in self.model.named_parameters()
+                          if p.numel()), key=lambda item: item[1], default=("none", 0.0))
+        return f"{name} |w|max={peak:.3g}"
+
     def grad_norm(self) -> float:
         """L2 norm of all grads over the whole model: TP shards summed over TP, expert shards over EP x ETP."""
         from megatron.core import parallel_state

@@ -31,12 +31,19 @@ def load_tokenizer(path: str | Path | None):
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
+    from quads_megatron.errors import ConfigError
+
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"tokenizer path {path} does not exist")
-    tok = AutoTokenizer.from_pretrained(str(path))
+        raise ConfigError(f"tokenizer {path}: no such directory")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as e:   # no tokenizer files, unreadable or malformed ones
+        text = str(e).strip().splitlines()
+        raise ConfigError(f"tokenizer {path}: cannot be loaded ({type(e).__name__}: {text[0][:200] if text else ''})") \
+            from None
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer at {path} has no eos_token: generation needs a stop token")
+        raise ConfigError(f"tokenizer {path}: has no eos_token (generation needs a stop token)")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,14 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHO
 
 def _flags(tmp_path, *extra):
     return TINY + ["--tensorboard-dir", str(tmp_path / "tb")] + list(extra)
+
+
+def _prog_line(capsys) -> str:
+    """The one line of this program on stderr (libraries may log their own warnings there), no traceback."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"{PROG}:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 def _one_line(capsys) -> str:
@@ -224,6 +233,143 @@ def test_seq_length_1e6_is_refused_where_its_kv_cache_cannot_fit(tmp_path, capsy
     assert "--seq-length 1000000:" in err and "available host memory" in err, err
 
 
+# ------------------------------------------------------------------ faults the environment causes
+
+ENV_FLAG_CASES = {
+    # name: (argv extra, words); "{tmp}/bad.json" is a file
+    "tensorboard-dir-is-a-file": (["--tensorboard-dir", "{tmp}/bad.json"], ["--tensorboard-dir", "not a directory"]),
+    "tensorboard-dir-under-a-file": (["--tensorboard-dir", "{tmp}/bad.json/tb"],
+                                     ["--tensorboard-dir", "bad.json is a file"]),
+    "summary-json-in-missing-dir": (["--summary-json", "{tmp}/nope/s.json"], ["--summary-json", "does not exist"]),
+    "summary-json-is-a-dir": (["--summary-json", "{tmp}"], ["--summary-json", "is a directory"]),
+    "sglang-port-out-of-range": (["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:99999"],
+                                 ["--sglang-url http://127.0.0.1:99999", "1-65535"]),
+    "sglang-port-not-a-number": (["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:abc"],
+                                 ["--sglang-url http://127.0.0.1:abc", "1-65535"]),
+    "sglang-url-without-host": (["--rollout-engine", "sglang", "--sglang-url", "http://:30000"],
+                                ["--sglang-url http://:30000", "no host"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ENV_FLAG_CASES))
+def test_unusable_output_path_or_url_is_one_line_before_any_model(case, tmp_path, capsys):
+    _write(tmp_path / "bad.json", "{nope")
+    extra, words = ENV_FLAG_CASES[case]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in _flags(tmp_path, *extra)]
+    assert run_cli(parse_args, argv, prog=PROG) == 2
+    err = _one_line(capsys)
+    for w in words:
+        assert w.replace("{tmp}", str(tmp_path)) in err, (w, err)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]   # closed again: nothing listens there
+
+
+def test_sglang_url_where_nothing_listens_is_one_line(tmp_path, capsys):
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert run(_flags(tmp_path, "--rollout-engine", "sglang", "--sglang-url", url, "--train-iters", "1")) == 2
+    err = _prog_line(capsys)
+    assert f"SGLang server {url} is unreachable" in err, err
+
+
+def _big_vocab_tokenizer(path: Path) -> Path:
+    """A character tokenizer whose ids start at 300: outside the tiny model's 256-row vocabulary."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from quads_megatron.rl.tokenizer import CHARS, SPECIALS
+
+    vocab = {tok: 300 + i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                            unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    from tests.convert.convert_fixtures import save_tiny_hf
+
+    return save_tiny_hf(tmp_path_factory.mktemp("grpo_hf") / "hf")
+
+
+def test_tokenizer_whose_ids_exceed_the_vocabulary_is_named_before_training(tiny_hf_dir, tmp_path, capsys):
+    tok = _big_vocab_tokenizer(tmp_path / "tok")
+    assert run(_flags(tmp_path, "--hf-checkpoint", str(tiny_hf_dir), "--tokenizer", str(tok), "--sft-iters", "0",
+                      "--train-iters", "1")) == 2
+    err = _one_line(capsys)
+    assert f"the tokenizer of {tok}" in err and "outside the model's vocabulary of 256" in err, err
+
+
+def test_tokenizer_dir_without_a_tokenizer_is_named(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert run(_flags(tmp_path, "--tokenizer", str(tmp_path / "empty"), "--train-iters", "1")) == 2
+    err = _one_line(capsys)
+    assert f"tokenizer {tmp_path / 'empty'}: cannot be loaded" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--sft-lr"])
+def test_learning_rate_beyond_float32_is_refused_before_any_model(flag, tmp_path, capsys):
+    assert run_cli(parse_args, _flags(tmp_path, flag, "1e38"), prog=PROG) == 2
+    err = _one_line(capsys)
+    assert f"{flag} 1e+38: too large" in err and "float32" in err, err
+
+
+def test_learning_rate_that_blows_up_the_weights_names_the_step_and_the_weight(tmp_path, capsys):
+    """--lr 3e37 fits float32, but its updates leave weights near float32's limit: the first non-finite
+    quantity is reported with its step and the largest weight, and that step is not saved."""
+    save = tmp_path / "ck"
+    assert run(_flags(tmp_path, "--lr", "3e37", "--clip-grad", "0", "--sft-iters", "0", "--train-iters", "6",
+                      "--save", str(save), "--save-interval", "1")) == 2
+    err = _prog_line(capsys)
+    m = re.search(r"step (\d+): .* is NaN or Inf \(largest weight: (\S+) (\|w\|max=\S+|holds NaN or Inf); "
+                  r"--lr 3e\+37\)", err)
+    assert m, err
+    assert "NaN or Inf" in err and m.group(2).endswith(("weight", "bias")), err
+    assert mckpt.latest_iteration(save) in (None, int(m.group(1)) - 1)   # the bad step was not saved
+
+
+def _run_with_file_size_limit(tmp_path, limit: int, *flags) -> subprocess.CompletedProcess:
+    """The GRPO job in a child whose files the kernel refuses to grow past ``limit`` bytes (RLIMIT_FSIZE: a
+    real EFBIG write failure, as on a full disk), SIGXFSZ ignored so the write fails instead of the process."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, "-m", "quads_megatron.rl", *_flags(tmp_path, *flags)]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit_file_size)
+
+
+def _the_line(p: subprocess.CompletedProcess) -> str:
+    lines = [line for line in p.stderr.strip().splitlines() if line.startswith(PROG)]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    return lines[0]
+
+
+def test_disk_full_during_a_save_is_named_and_leaves_no_partial_iteration(tmp_path):
+    """The shards of the tiny model are larger than 200 kB, the event file and the small outputs are not."""
+    save = tmp_path / "ck"
+    line = _the_line(_run_with_file_size_limit(tmp_path, 200_000, "--train-iters", "1", "--save", str(save)))
+    assert f"{save}: saving iteration 1 failed (" in line, line
+    assert not (save / mckpt.TRACKER).exists()
+    assert not [d.name for d in save.glob("iter_*")]
+
+
+def test_disk_full_during_a_tensorboard_write_is_named(tmp_path):
+    line = _the_line(_run_with_file_size_limit(tmp_path, 3_000, "--train-iters", "3"))
+    assert line == f"{PROG}: error: --tensorboard-dir {tmp_path / 'tb'}: writing TensorBoard events failed: " \
+                   "File too large", line
+
+
 # ------------------------------------------------------------------ checkpoints of the GRPO loop
 
 @pytest.fixture(scope="module")
@@ -290,6 +436,50 @@ def test_resume_refuses_a_broken_or_foreign_checkpoint_before_any_model(case, ck
     for w in words:
         assert w in err, (w, err)
     assert _hashes(ck) == before
+
+
+CHANGED_CASES = {
+    # name: (extra flags, the words of the one line); the checkpoint was trained with TINY (seq 16, G 4, lr 3e-4)
+    "seq-length": (["--seq-length", "32"], ["--seq-length 32 (the checkpoint's: --seq-length 16)"]),
+    "lr": (["--lr", "0.001"], ["--lr 0.001 (the checkpoint's: --lr 0.0003)"]),
+    "group-size": (["--n-samples-per-prompt", "2"],
+                   ["--n-samples-per-prompt 2 (the checkpoint's: --n-samples-per-prompt 4)"]),
+    "all-three": (["--seq-length", "32", "--lr", "0.001", "--n-samples-per-prompt", "2"],
+                  ["--seq-length 32 (", "--lr 0.001 (", "--n-samples-per-prompt 2 (",
+                   "--resume-allow-change seq-length,lr,n-samples-per-prompt"]),
+    "train-iters-below": (["--train-iters", "1"], ["--train-iters 1", "below the checkpoint's iteration 2"]),
+    "task-and-lr": (["--task", "sort:4", "--lr", "0.001"], ["--task sort:4 (the checkpoint's: --task sort:3)",
+                                                          "--lr 0.001 ("]),
+    "allow-task": (["--resume-allow-change", "task"], ["--resume-allow-change task", "must always match"]),
+    "allow-unknown": (["--resume-allow-change", "save-interval"], ["--resume-allow-change save-interval",
+                                                                  "not a flag of the run's training"]),
+    "allow-other-flag": (["--lr", "0.001", "--resume-allow-change", "seq-length"], ["--lr 0.001 ("]),
+}
+
+
+@pytest.mark.parametrize("case", list(CHANGED_CASES))
+def test_resume_with_changed_training_flags_lists_every_difference(case, ck, tmp_path, capsys):
+    extra, words = CHANGED_CASES[case]
+    argv = _flags(tmp_path, "--train-iters", "3", "--save", str(ck), "--resume", *extra)
+    assert run_cli(parse_args, argv, prog=PROG) == 2
+    err = _one_line(capsys)
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_resume_with_an_allowed_change_says_so(ck, tmp_path, capsys):
+    args = parse_args(_flags(tmp_path, "--train-iters", "3", "--save", str(ck), "--resume", "--lr", "0.001",
+                             "--seq-length", "32", "--resume-allow-change", "lr", "--resume-allow-change",
+                             "seq-length"))
+    assert args.lr == 0.001 and args.seq_length == 32
+    out = capsys.readouterr().out
+    assert "--lr 0.001 (the checkpoint was trained with --lr 0.0003), allowed by --resume-allow-change" in out
+    assert "--seq-length 32 (the checkpoint was trained with --seq-length 16)" in out
+
+
+def test_resume_allow_change_without_a_checkpoint_to_resume_is_refused(tmp_path, capsys):
+    assert run_cli(parse_args, _flags(tmp_path, "--resume-allow-change", "lr"), prog=PROG) == 2
+    assert "--resume-allow-change needs --load or --resume" in _one_line(capsys)
 
 
 def test_resume_from_a_flipped_shard_names_the_file(ck, tmp_path, capsys):

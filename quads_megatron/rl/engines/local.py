@@ -20,6 +20,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     probs = logp.exp()
+    # a row whose logits hold NaN/Inf (weights blown up) samples uniformly instead of crashing multinomial (a
+    # device assert on CUDA); its NaN log-prob then stops the run by name (loop.check_finite), with no host sync
+    probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, torch.ones_like(probs))
     if top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token

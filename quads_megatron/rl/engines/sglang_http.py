@@ -9,14 +9,16 @@ from typing import Iterable
 
 import torch
 
+from quads_megatron.errors import QuadsError
+
 from .base import Rollout, RolloutEngine, SamplingParams, check_prompt_lengths
 
 
 SYNC_MODES = ("tensor", "tensor-bf16", "disk")
 
 
-class SGLangError(RuntimeError):
-    """A server answered with an error or could not be reached."""
+class SGLangError(QuadsError, RuntimeError):
+    """A server answered with an error or could not be reached: the environment's fault, one line and exit 2."""
 
 
 class SGLangEngine(RolloutEngine):
@@ -71,6 +73,8 @@ class SGLangEngine(RolloutEngine):
                 f"or fix --sglang-url") from None
         except requests.exceptions.Timeout:
             raise SGLangError(f"SGLang server {url}{path} did not answer within {timeout or self.timeout_s:.0f} s") from None
+        except requests.exceptions.RequestException as e:   # an unusable URL (InvalidURL, ...)
+            raise SGLangError(f"--sglang-url {url}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
         if r.status_code != 200:
             raise SGLangError(f"SGLang {url}{path} returned HTTP {r.status_code}: {r.text[:500]}")
         try:
@@ -211,9 +215,20 @@ def parse_urls(values: list[str] | None) -> list[str]:
     urls = []
     for v in values or []:
         urls += [u.strip() for u in v.split(",") if u.strip()]
+    from urllib.parse import urlsplit
+
     for u in urls:
         if not u.startswith(("http://", "https://")):
             raise ValueError(f"--sglang-url {u!r}: expected http://HOST:PORT")
+        try:
+            parts = urlsplit(u)
+            port = parts.port
+        except ValueError:   # urllib: "Port out of range 0-65535", "Port could not be cast to integer value"
+            raise ValueError(f"--sglang-url {u}: the port must be a number in 1-65535") from None
+        if not parts.hostname:
+            raise ValueError(f"--sglang-url {u}: no host (expected http://HOST:PORT)")
+        if port == 0:
+            raise ValueError(f"--sglang-url {u}: the port must be a number in 1-65535")
     return urls
 
 
