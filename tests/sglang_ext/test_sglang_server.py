@@ -1,9 +1,9 @@
 """SGLang's real server with `--quantization quads`: it serves exported checkpoints and takes RL weight updates.
 
 The reference is the local engine (transformers' Qwen3-MoE with our NVFP4 modules) on the same HF weights and
-plan: a different attention, sampler and scheduler around the same kernels. The model's lm_head is scaled
-so greedy choices have clear margins; the engines may still differ where a rounding flips an activation's
-E2M1 code, so the checks are: most sequences identical, log-probs close up to the first divergence. An
+plan: a different attention, sampler and scheduler around the same kernels. The engines round differently
+(attention kernels, bf16 order, an activation's E2M1 code flipped by an ulp), so greedy paths may part at
+near-ties: the check is on log-probs up to and including each first divergence. An
 update must switch the server to the new weights' outputs, and syncing the old weights back must give the
 first outputs again bit for bit (same server, same CUDA graphs, no re-capture).
 
@@ -35,8 +35,6 @@ def _save_hf(path, seed):
 
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaked logits: greedy margins far above kernel rounding
     model.to(torch.bfloat16).save_pretrained(path)
     return path
 
@@ -89,14 +87,19 @@ def _greedy(engine):
     return engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), seed=0)
 
 
-def _close(a, b, min_identical=6, tol=0.05):
-    """Most greedy sequences identical; log-probs within tol up to each sequence's first divergence."""
-    identical = sum(x.response_ids == y.response_ids for x, y in zip(a, b))
-    assert identical >= min_identical, f"{identical}/{len(a)} identical greedy sequences"
+def _close(a, b, median_tol=0.02, max_tol=0.25):
+    """The engines agree up to rounding: over each sequence's tokens up to and including its first divergence
+    (greedy paths part only where the top two tokens nearly tie), log-probs differ by a median of at most
+    median_tol and never more than max_tol nats; a wrong weight, scale or kernel gives O(1) differences."""
+    diffs = []
     for x, y in zip(a, b):
-        n = next((i for i, (p, q) in enumerate(zip(x.response_ids, y.response_ids)) if p != q), NEW_TOKENS)
-        diff = max(abs(p - q) for p, q in zip(x.logprobs[: n + 1], y.logprobs[: n + 1]))
-        assert diff < tol, f"log-prob difference {diff:.3g} before the first divergence"
+        n = next((i for i, (p, q) in enumerate(zip(x.response_ids, y.response_ids)) if p != q), NEW_TOKENS - 1)
+        diffs += [abs(p - q) for p, q in zip(x.logprobs[: n + 1], y.logprobs[: n + 1])]
+    diffs.sort()
+    identical = sum(x.response_ids == y.response_ids for x, y in zip(a, b))
+    summary = f"{identical}/{len(a)} identical, median {diffs[len(diffs) // 2]:.3g}, max {diffs[-1]:.3g}"
+    print(summary)
+    assert diffs[len(diffs) // 2] <= median_tol and diffs[-1] <= max_tol, summary
 
 
 def test_rac_server_serves_what_the_local_engine_computes(ckpts):
