@@ -66,15 +66,29 @@ def read_manifest(root) -> dict | None:
     return doc["files"]
 
 
+def _storage_roots(root: Path) -> list:
+    """Where the files of checkpoint ``root`` may live (real paths): the directory itself and, for a Hugging Face
+    hub cache snapshot (``models--ORG--NAME/snapshots/REV``, whose files are symlinks), its repository's
+    ``blobs`` directory."""
+    real = os.path.realpath(root)
+    roots = [real]
+    if Path(real).parent.name == "snapshots" and Path(real).parent.parent.name.startswith("models--"):
+        blobs = Path(real).parent.parent / "blobs"
+        if blobs.is_dir():
+            roots.append(os.path.realpath(blobs))
+    return roots
+
+
 def inside(root, rel, what: str = "file") -> Path:
-    """``root/rel`` once it is known to resolve (symlinks followed) inside ``root``; CheckpointError naming it
-    when ``rel`` is not a relative path or it leads out (``..``, absolute, a symlink to elsewhere)."""
+    """``root/rel`` once it is known to resolve (symlinks followed) inside ``root`` (or, for a hub cache snapshot,
+    its repository's blobs); CheckpointError naming it when ``rel`` is not a relative path or it leads out
+    (``..``, absolute, a symlink to elsewhere)."""
     root = Path(root)
     if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel):
         raise CheckpointError(f"{root}: {what} {rel!r} is not a path relative to the checkpoint; refused")
-    real_root = os.path.realpath(root)
-    target = os.path.realpath(os.path.join(real_root, rel))
-    if target == real_root or os.path.commonpath([real_root, target]) != real_root:
+    roots = _storage_roots(root)
+    target = os.path.realpath(os.path.join(roots[0], rel))
+    if not any(target != r and os.path.commonpath([r, target]) == r for r in roots):
         raise CheckpointError(f"{root / rel}: resolves to {target}, outside the checkpoint directory {root}; "
                               "refused (a checkpoint reads only its own files)")
     return root / rel

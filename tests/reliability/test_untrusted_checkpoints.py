@@ -463,3 +463,34 @@ def test_config_field_of_the_wrong_type_is_a_named_config_error(field, value, ma
     with pytest.raises(ConfigError, match=match):
         qwen3_moe.dims_from_hf_config(json.loads((src / "config.json").read_text()))
     _refused(*_to_megatron(src, tmp_path / "out"), capsys, match, tmp_path / "out")
+
+
+# ---------------------------------------------------------------- a Hugging Face hub cache snapshot is not "outside"
+
+def _hub_snapshot(hf: Path, root: Path) -> Path:
+    """``hf`` laid out as huggingface_hub caches it: files in ``blobs/<sha256>``, the snapshot of symlinks to them."""
+    import hashlib
+
+    repo = root / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for f in sorted(hf.iterdir()):
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, repo / "blobs" / blob)
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    return snap
+
+
+def test_a_hub_cache_snapshot_converts(hf, tmp_path):
+    snap = _hub_snapshot(hf, tmp_path / "hub")
+    assert cli.run(hf_to_megatron.main, ["--load-dir", str(snap), "--save-dir", str(tmp_path / "out"),
+                                         "--no-progress"]) == 0
+
+
+def test_a_hub_cache_snapshot_still_reads_nothing_outside_its_repository(hf, tmp_path, capsys):
+    snap = _hub_snapshot(hf, tmp_path / "hub")
+    (snap / "tokenizer.json").symlink_to(_secret(tmp_path))
+    out = tmp_path / "out"
+    _refused(rollout_export.main, ["--load-dir", str(snap), "--save-dir", str(out), "--no-progress"], capsys,
+             re.escape(str(snap / "tokenizer.json")) + ".*outside", out)
