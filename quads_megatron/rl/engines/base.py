@@ -33,12 +33,18 @@ class SamplingParams:
 
 @dataclass
 class Rollout:
-    """One generated response: token ids, the engine's log-prob of each, and whether a stop token ended it."""
+    """One generated response: token ids, the engine's log-prob of each, and whether a stop token ended it.
+
+    routed_experts: the engine's own top-k expert ids, int32 [len(prompt_ids) + len(response_ids) - 1,
+    num_layers, top_k] (row t: the token at position t as it was fed; SGLang's ``return_routed_experts``
+    layout), or None when the engine cannot return them.
+    """
 
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
     finished: bool
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):

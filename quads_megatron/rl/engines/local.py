@@ -40,7 +40,7 @@ class LocalEngine(RolloutEngine):
                  pad_token_id: int = 0, device: torch.device | str | None = None):
         """plan: the run's QuantPlan (which layers are NVFP4 and how; the trainer's and exporter's plan)."""
         from quads_megatron.device import resolve_device
-        from quads_megatron.rollout import RolloutModel, graph_safe
+        from quads_megatron.rollout import RolloutModel, RoutedExpertsRecorder, graph_safe
 
         self.plan = plan
         self.precision = plan.rollout_precision
@@ -52,6 +52,7 @@ class LocalEngine(RolloutEngine):
         self.model = self.rollout.model
         self.device = device
         self.nvfp4_modules = self.rollout.modules
+        self.routes = RoutedExpertsRecorder(self.model)  # each sample's top-k expert ids (SGLang's layout)
         self._loaded = False
         # The decode step is replayed from a CUDA graph when every replaced module is sync-free (not w16a4).
         self.uses_cuda_graph = device.type == "cuda" and all(graph_safe(m) for m in self.nvfp4_modules.values())
@@ -96,6 +97,8 @@ class LocalEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
+        from quads_megatron.rollout.routing import sample_routed_experts
+
         params.validate()
         if not self._loaded:
             raise RuntimeError("LocalEngine.generate before update_weights: sync the trainer's weights first")
@@ -106,9 +109,10 @@ class LocalEngine(RolloutEngine):
         B = ids.shape[0]
         dec = self._decoders.get(B)
         if dec is None:
-            dec = self._decoders[B] = StaticDecoder(self.model, B, self.max_seq_len, self.device, self.uses_cuda_graph)
-        logits = dec.prefill(ids, mask)
-        toks, lps = [], []
+            dec = self._decoders[B] = StaticDecoder(self.model, B, self.max_seq_len, self.device, self.uses_cuda_graph,
+                                                    self.routes)
+        logits, prefill_routes = dec.prefill(ids, mask)
+        toks, lps, step_routes = [], [], []
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         for _ in range(params.max_new_tokens):
@@ -122,15 +126,20 @@ class LocalEngine(RolloutEngine):
             done |= hit
             if bool(done.all()) or len(toks) == params.max_new_tokens:
                 break
-            logits = dec.step(tok)
+            logits, routes = dec.step(tok)
+            step_routes.append(routes)
         T = torch.stack(toks, 1).tolist()
+        prefill_routes = prefill_routes.cpu()
+        step_routes = torch.stack(step_routes, 1).cpu() if step_routes else None  # [B, steps, L, K]
         L = torch.stack(lps, 1).tolist()
         results = []
         for i in range(B):
             n = len(T[i])
             if bool(finished[i]):
                 n = next(j for j, t in enumerate(T[i]) if t in set(params.stop_token_ids)) + 1
-            results.append(Rollout(list(prompts[i]), T[i][:n], L[i][:n], bool(finished[i])))
+            decode = list(step_routes[i]) if step_routes is not None else []
+            routed = sample_routed_experts(prefill_routes[i], decode, len(prompts[i]), n)
+            results.append(Rollout(list(prompts[i]), T[i][:n], L[i][:n], bool(finished[i]), routed_experts=routed))
         return results
 
 
@@ -139,21 +148,24 @@ class StaticDecoder:
 
     All inputs of the step live in fixed buffers (token, position, the [B, max_len] padding mask),
     so the captured graph is replayed per token; the weights it reads are the engine's in-place
-    buffers. Left padding: a row's positions count its own tokens (``mask.cumsum - 1``).
+    buffers, and the routers' top-k ids land in the static ``routes`` buffer [L, B, K]. Left padding:
+    a row's positions count its own tokens (``mask.cumsum - 1``).
     """
 
-    def __init__(self, model, batch: int, max_len: int, device, graph: bool):
+    def __init__(self, model, batch: int, max_len: int, device, graph: bool, recorder):
         from transformers import StaticCache
 
-        self.model, self.max_len, self.use_graph = model, max_len, graph
+        self.model, self.max_len, self.use_graph, self.recorder = model, max_len, graph, recorder
+        self.routes = torch.zeros(recorder.num_layers, batch, recorder.top_k, dtype=torch.int32, device=device)
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graph, self.logits, self.t = None, None, 0
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompts [B, P] (eager) into a reset cache; return the last position's logits [B, V]."""
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+        """Run the prompts [B, P] (eager) into a reset cache; return the last position's logits [B, V] and
+        the routers' top-k ids [B, P, L, K]."""
         P = ids.shape[1]
         self.cache.reset()
         self.mask.zero_()
@@ -161,13 +173,21 @@ class StaticDecoder:
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         self.pos.copy_(pos[:, -1:] + 1)
         self.t = P
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        self.recorder.enabled, self.recorder.buffer = True, None
+        try:
+            out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1)
+        finally:
+            self.recorder.enabled = False
+        return out.logits[:, -1], self.recorder.take(ids.shape[0])
 
     def _forward(self) -> torch.Tensor:
-        return self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=self.pos,
-                          past_key_values=self.cache, use_cache=True).logits
+        self.recorder.enabled, self.recorder.buffer = True, self.routes  # copy_ into the static buffer
+        try:
+            return self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=self.pos,
+                              past_key_values=self.cache, use_cache=True).logits
+        finally:
+            self.recorder.enabled, self.recorder.buffer = False, None
 
     def _capture(self) -> None:
         """Warm up once (Triton compiles, cuBLAS handles), undo its cache advance, capture the step."""
@@ -183,8 +203,9 @@ class StaticDecoder:
         with torch.cuda.graph(self.graph):  # records the step without running it: the cache is left as it was
             self.logits = self._forward()
 
-    def step(self, tok: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row at the next cache slot; return the logits [B, V] of the next token."""
+    def step(self, tok: torch.Tensor):
+        """Feed one token per row at the next cache slot; return the logits [B, V] of the next token and the
+        routers' top-k ids of the fed token [B, L, K]."""
         if self.t >= self.max_len:
             raise RuntimeError(f"StaticDecoder: cache of {self.max_len} positions is full")
         self.mask[:, self.t] = 1
@@ -198,4 +219,4 @@ class StaticDecoder:
             logits = self._forward()
         self.pos += 1
         self.t += 1
-        return logits[:, -1]
+        return logits[:, -1], self.routes.transpose(0, 1).clone()

@@ -117,3 +117,5 @@ def test_cuda_graph_decode_replays_the_eager_step(precision):
     assert [o.response_ids for o in graph] == [o.response_ids for o in eager]
     torch.testing.assert_close(torch.tensor([o.logprobs for o in graph]), torch.tensor([o.logprobs for o in eager]),
                                rtol=0, atol=1e-3)
+    for g, e in zip(graph, eager):  # the graph's static routes buffer is refreshed by every replay
+        assert torch.equal(g.routed_experts, e.routed_experts)

@@ -1,0 +1,41 @@
+"""The local engine returns its routers' top-k expert ids per fed token and layer, in SGLang's layout."""
+
+import pytest
+import torch
+
+from quads_megatron.rl.engines.base import SamplingParams
+
+from tests.rl.engines.test_decode import _engine
+
+
+@torch.no_grad()
+def _reference_routes(eng, prompt, response):
+    """Top-k of softmax(router logits) from one no-cache forward of the unpadded fed tokens (HF's own
+    ``output_router_logits``), as [len(prompt) + len(response) - 1, L, K]."""
+    fed = torch.tensor([prompt + response[:-1]])
+    out = eng.model(input_ids=fed, output_router_logits=True)
+    k = eng.model.config.num_experts_per_tok
+    return torch.stack([torch.topk(torch.softmax(lg.float(), -1), k, -1).indices for lg in out.router_logits], 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "w4a4_rac"])
+def test_routes_follow_each_fed_token(precision):
+    eng = _engine(precision)
+    prompts = [[3, 14, 15, 9, 26], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8]]  # ragged: left padding
+    stop = 11
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, stop_token_ids=[stop])
+    outs = eng.generate(prompts, params, seed=7)
+    L, K = eng.model.config.num_hidden_layers, eng.model.config.num_experts_per_tok
+    for o, p in zip(outs, prompts):
+        r = o.routed_experts
+        assert r.dtype == torch.int32 and r.shape == (len(p) + len(o.response_ids) - 1, L, K)
+        ref = _reference_routes(eng, p, o.response_ids)
+        # a top-k set is what is replayed; order within it may differ between the two computations
+        assert torch.equal(r.sort(-1).values, ref.to(torch.int32).sort(-1).values)
+
+
+def test_a_one_token_response_has_the_prompt_rows_only():
+    eng = _engine("bf16")
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=[])
+    (o,) = eng.generate([[3, 14, 15]], params, seed=0)
+    assert o.routed_experts.shape[0] == 3 and len(o.response_ids) == 1
