@@ -17,8 +17,10 @@ from quads_megatron.rl.engines.sglang_http import SGLangEngine, SGLangError
 
 
 class _Server:
-    def __init__(self, fail_update=False, tp_size=1):
+    def __init__(self, fail_update=False, tp_size=1, routes=None):
+        """routes: (layers, top_k) to answer meta_info.routed_experts as SGLang's detokenizer encodes it."""
         self.calls, self.fail_update, self.tp_size, self.received = [], fail_update, tp_size, []
+        self.routes, self.sent_routes = routes, []
         owner = self
 
         class H(BaseHTTPRequestHandler):
@@ -42,9 +44,17 @@ class _Server:
                 owner.calls.append((self.path, body))
                 if self.path == "/generate":
                     n = body["sampling_params"]["max_new_tokens"]
-                    return self._reply([{"output_ids": [7] * (n - 1) + [1],
-                                         "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * (n - 1) + [[-0.1, 1, None]],
-                                                       "finish_reason": {"type": "stop"}}} for _ in body["input_ids"]])
+                    outs = [{"output_ids": [7] * (n - 1) + [1],
+                             "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * (n - 1) + [[-0.1, 1, None]],
+                                           "finish_reason": {"type": "stop"}}} for _ in body["input_ids"]]
+                    if owner.routes and body.get("return_routed_experts"):
+                        import pybase64
+
+                        for o, ids in zip(outs, body["input_ids"]):
+                            t = torch.randint(0, 64, (len(ids) + n - 1, *owner.routes), dtype=torch.int32)
+                            owner.sent_routes.append(t)  # SGLang's detokenizer: b64 of the int32 bytes
+                            o["meta_info"]["routed_experts"] = pybase64.b64encode(t.numpy().tobytes()).decode("utf-8")
+                    return self._reply(outs)
                 if self.path == "/update_weights_from_tensor":
                     from sglang.srt.utils import MultiprocessingSerializer
 
@@ -202,3 +212,39 @@ def test_bf16_weight_sync_refuses_an_attention_scope():
     with pytest.raises(ConfigError, match="tensor-bf16: the server quantizes routed experts only"):
         parse_args(["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:9", "--sglang-weight-sync",
                     "tensor-bf16", "--quads-scope", "routed_experts", "attention"])
+
+
+def test_routed_experts_are_requested_and_decoded_per_sample(servers):
+    """SGLang's routed-experts capture: requested on /generate, decoded to [prompt + response - 1, L, K] as
+    SGLang's own decoder (extract_routed_experts_from_meta_info) reads the same payload."""
+    from transformers import Qwen3MoeConfig
+
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=3, num_experts_per_tok=2, num_experts=64)
+    s = servers(routes=(3, 2))
+    eng = SGLangEngine([s.url], max_seq_len=32, hf_config=cfg)
+    prompts = [[2, 5, 6], [9, 4, 4, 4, 3]]
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=[1]), seed=3)
+    body = [b for p, b in s.calls if p == "/generate"][0]
+    assert body["return_routed_experts"] is True
+    for o, p, sent in zip(outs, prompts, s.sent_routes):
+        assert o.routed_experts.shape == (len(p) + 4 - 1, 3, 2) and torch.equal(o.routed_experts, sent)
+    import pybase64
+
+    meta = {"meta_info": {"routed_experts": pybase64.b64encode(s.sent_routes[0].numpy().tobytes()).decode()}}
+    assert extract_routed_experts_from_meta_info(meta).tolist() == outs[0].routed_experts.flatten().tolist()
+
+
+def test_a_server_without_the_capture_gives_no_routes_and_a_wrong_size_is_an_error(servers):
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=3, num_experts_per_tok=2, num_experts=64)
+    plain = servers()
+    (o,) = SGLangEngine([plain.url], max_seq_len=32, hf_config=cfg).generate([[2, 5]], SamplingParams(max_new_tokens=2),
+                                                                             seed=0)
+    assert o.routed_experts is None
+    wrong = servers(routes=(2, 2))  # the server's model has 2 layers, the trainer's 3
+    with pytest.raises(SGLangError, match="routed_experts holds .* expected"):
+        SGLangEngine([wrong.url], max_seq_len=32, hf_config=cfg).generate([[2, 5]], SamplingParams(max_new_tokens=2),
+                                                                          seed=0)

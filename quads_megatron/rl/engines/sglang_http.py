@@ -29,7 +29,9 @@ class SGLangEngine(RolloutEngine):
     expert weights, which the server's quads MoE method quantizes: `sends_nvfp4` is False) or "disk"
     (safetensors written to `sync_dir`, then update_weights_from_disk; works across hosts with a
     shared filesystem).
-    Log-probs come from SGLang's `output_token_logprobs`, i.e. softmax(logits / temperature).
+    Log-probs come from SGLang's `output_token_logprobs`, i.e. softmax(logits / temperature); each
+    sample's top-k expert ids from its routed-experts capture (`return_routed_experts`), when the server
+    runs with `--enable-return-routed-experts`.
     With `router_url` (an SGLang router) generation goes through the router and weight updates
     go to every worker URL.
     """
@@ -101,6 +103,8 @@ class SGLangEngine(RolloutEngine):
                 "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": seed,
             },
             "return_logprob": True,
+            # SGLang's routed-experts capture (R3); a server without --enable-return-routed-experts omits them
+            "return_routed_experts": True,
         }
         outs = self._post(url, "/generate", payload)
         if isinstance(outs, dict):
@@ -115,8 +119,27 @@ class SGLangEngine(RolloutEngine):
                 raise SGLangError(f"SGLang {url}/generate: response has no meta_info.output_token_logprobs")
             ids = o.get("output_ids") or [int(t[1]) for t in lp]
             finish = (meta.get("finish_reason") or {}).get("type")
-            results.append(Rollout(list(p), [int(t) for t in ids], [float(t[0]) for t in lp], finish == "stop"))
+            routed = self._routed_experts(url, meta, len(p) + len(ids) - 1)
+            results.append(Rollout(list(p), [int(t) for t in ids], [float(t[0]) for t in lp], finish == "stop",
+                                   routed_experts=routed))
         return results
+
+    def _routed_experts(self, url: str, meta: dict, rows: int) -> torch.Tensor | None:
+        """meta_info.routed_experts (base64 of int32 [prompt + response - 1, layers, top_k], SGLang's
+        detokenizer encoding) as a tensor; None when the server does not capture them or no hf_config is known."""
+        import base64
+
+        import numpy as np
+
+        b64 = meta.get("routed_experts")
+        if b64 is None or self.hf_config is None:
+            return None
+        flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
+        L, K = self.hf_config.num_hidden_layers, self.hf_config.num_experts_per_tok
+        if flat.size != rows * L * K:
+            raise SGLangError(f"SGLang {url}/generate: meta_info.routed_experts holds {flat.size} ids, expected "
+                              f"{rows} tokens x {L} layers x top-{K} = {rows * L * K}")
+        return torch.from_numpy(flat.copy()).view(rows, L, K)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Rollout]:
         params.validate()

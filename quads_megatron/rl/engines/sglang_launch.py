@@ -61,13 +61,16 @@ def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike,
 
 def launch_server(model_path: str | os.PathLike, port: int, extra_args: list[str], log_path: str | os.PathLike,
                   timeout_s: float = 900.0, quantization: str | None = "quads") -> tuple[str, subprocess.Popen]:
-    """Run `python -m sglang.launch_server --quantization quads`; return (url, process) once /health answers.
+    """Run `python -m sglang.launch_server --quantization quads --enable-return-routed-experts`; return (url,
+    process) once /health answers.
 
     quantization: SGLang's --quantization value; None serves the checkpoint as it is (the BF16 baseline).
     """
     import requests
 
     quant = ["--quantization", quantization] if quantization else []
+    if "--enable-return-routed-experts" not in extra_args:  # the rollout's top-k ids (routing replay, disagreement)
+        quant.append("--enable-return-routed-experts")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *quant,
            "--host", "127.0.0.1", "--port", str(port), *extra_args]
     log = open(log_path, "w")
