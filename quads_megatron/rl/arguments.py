@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mis-low", type=float, default=0.5)
     g.add_argument("--mis-high", type=float, default=2.0)
     g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the rollout policy")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="R3: the trainer's routers use the rollout's top-k experts of every token (Megatron's "
+                        "RouterReplay; the gate probabilities of those experts are still trained). "
+                        "mismatch/routing_disagreement is logged either way")
     g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr.GRPO advantages (no std)")
     g.add_argument("--sft-iters", type=int, default=None,
                    help="supervised warm-up steps before GRPO (default 60 for the tiny preset, 0 with --hf-checkpoint)")

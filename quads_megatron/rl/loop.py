@@ -20,7 +20,7 @@ from .arguments import parse_args
 from .batch import build_sft_batch, build_train_batch, decode_response, encode_prompt
 from .engines.base import SamplingParams, check_prompt_lengths
 from .loss import LossConfig, masked_mean, policy_loss
-from .metrics import StepLogger, mismatch_stats
+from .metrics import StepLogger, mismatch_stats, routing_disagreement_counts
 from .tasks import build_task
 from .tokenizer import load_tokenizer
 
@@ -86,6 +86,12 @@ def _nonfinite(t: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
     if mask is not None:
         t = t[mask.bool()]
     return not bool(torch.isfinite(t).all())
+
+
+def _mean(values) -> float | None:
+    """Mean of the values that are not None; None when there are none."""
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
 
 
 def _set_threads():
@@ -268,13 +274,19 @@ class GRPOTrainer:
                  "ppo_ratio_mean": 0.0, "ess_ratio": 0.0, "entropy": 0.0, "grad_norm": 0.0,
                  "train_rollout_logprob_abs_diff": 0.0, "train_rollout_kl": 0.0}
         old_lp = None
+        replay = self.args.use_rollout_routing_replay
+        if replay and batch.routes is None:
+            raise ConfigError("--use-rollout-routing-replay: the rollout engine returned no routed experts "
+                              "(an SGLang server needs --enable-return-routed-experts)")
+        routes = (lambda b: None) if batch.routes is None else (lambda b: b.routes)
         if self.steps_per_rollout > 1:
             with torch.no_grad():
-                old_lp = torch.cat([self.policy.token_logprobs(batch.tokens[i:i + mbs])[0]
-                                    for i in range(0, len(batch), mbs)])
+                old_lp = torch.cat([self.policy.token_logprobs(mb.tokens, routes=routes(mb), replay=replay)[0]
+                                    for mb in (batch.slice(i, i + mbs) for i in range(0, len(batch), mbs))])
         if old_lp is not None:
             check_finite("the trainer log-prob", step, _nonfinite(old_lp, batch.mask))
         gaps = []
+        route_counts = torch.zeros(4, dtype=torch.float64)  # see metrics.routing_disagreement_counts
         for s in range(self.steps_per_rollout):
             bad = None  # the first non-finite quantity of this rank in this optimizer step
             sub_lo, sub_hi = s * self.local_batch, (s + 1) * self.local_batch
@@ -282,7 +294,7 @@ class GRPOTrainer:
             denom = sub.mask.sum().clamp_min(1.0)
             for i in range(0, len(sub), mbs):
                 mb = sub.slice(i, i + mbs)
-                lp, ent = self.policy.token_logprobs(mb.tokens, with_entropy=True)
+                lp, ent = self.policy.token_logprobs(mb.tokens, with_entropy=True, routes=routes(mb), replay=replay)
                 if bad is None and _nonfinite(lp.detach(), mb.mask):
                     bad = "the trainer log-prob"
                 olp = lp.detach() if old_lp is None else old_lp[sub_lo + i: sub_lo + i + len(mb)]
@@ -303,6 +315,8 @@ class GRPOTrainer:
                     for k, v in mm.items():
                         stats[k] += float(v) * float(mb.mask.sum() / denom)
                     gaps.append((olp - mb.rollout_logp)[mb.mask.bool()])
+                    if self.policy.last_routing_diff is not None:
+                        route_counts += routing_disagreement_counts(self.policy.last_routing_diff, mb.mask)
             weights = self._weights_note() if bad else ""
             for what in ("the trainer log-prob", "the GRPO loss"):
                 check_finite(what, step, bad == what, weights)
@@ -311,6 +325,9 @@ class GRPOTrainer:
                          self._weights_note() if not math.isfinite(norm) else "")
             check_finite_weights(self.policy, step, f"--lr {self.args.lr}")
             stats["grad_norm"] += norm / self.steps_per_rollout
+        if batch.routes is not None:  # the trainer's top-k set vs the rollout's, per (token, MoE layer)
+            stats["routing_disagreement"] = float(route_counts[0] / route_counts[1].clamp_min(1))
+            stats["routing_disagreement_any_layer"] = float(route_counts[2] / route_counts[3].clamp_min(1))
         return stats, torch.cat(gaps).cpu() if gaps else torch.zeros(0)
 
     @torch.no_grad()
@@ -408,6 +425,8 @@ class GRPOTrainer:
                 "mismatch/tis_weight_mean": stats["tis_weight_mean"], "mismatch/tis_clipfrac": stats["tis_clipfrac"],
                 "mismatch/mis_maskfrac": stats["mis_maskfrac"],
                 "mismatch/ess_ratio": stats["ess_ratio"],
+                **{f"mismatch/{k}": stats[k] for k in ("routing_disagreement", "routing_disagreement_any_layer")
+                   if k in stats},
                 "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                 "throughput/rollout_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
                 "throughput/train_tokens_per_s": float(batch.mask.sum()) / max(t2 - t1, 1e-9),
@@ -420,6 +439,7 @@ class GRPOTrainer:
                     scalars[f"quant/{k}"] = v
             self.history.append({"step": it, "reward": scalars["reward/mean"],
                                  "gap": scalars["mismatch/train_rollout_logprob_abs_diff"],
+                                 "routing_disagreement": scalars.get("mismatch/routing_disagreement"),
                                  "pass": scalars.get("eval/pass@1")})
             if it % a.log_interval == 0 or it == a.train_iters:
                 line = self.logger.log(it, scalars, {"mismatch/logprob_gap": gaps}, line=False)
@@ -517,6 +537,8 @@ class GRPOTrainer:
             "pass@1_before": self.history[0].get("pass_before") if self.history else None,
             "pass@1_after": passes[-1] if passes else None,
             "mean_logprob_abs_diff": sum(h["gap"] for h in steps) / len(steps) if steps else None,
+            "mean_routing_disagreement": _mean(h.get("routing_disagreement") for h in steps),
+            "rollout_routing_replay": bool(self.args.use_rollout_routing_replay),
             "rollout_precision": self.args.recipe.rollout_precision.value,
             "train_precision": self.args.recipe.train_precision.value,
             "tensorboard_dir": str(self.args.tensorboard_dir),

@@ -40,12 +40,23 @@ def _quiet_event_writer_errors() -> None:
     threading.excepthook = hook
 
 
+def routing_disagreement_counts(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[differing (token, layer) pairs, pairs, tokens differing in any layer, tokens] over the positions of
+    ``mask`` [B, S-1] (those scoring a response token); diff [B, S-1, L] bool, the trainer's top-k set != the
+    rollout's."""
+    m = mask.bool().to(diff.device)
+    d = diff[m]  # [tokens, L]
+    return torch.tensor([float(d.sum()), float(d.numel()), float(d.any(-1).sum()), float(d.shape[0])],
+                        dtype=torch.float64)
+
+
 class StepLogger:
     """Writes scalars/histograms to TensorBoard (rank 0) and prints one compact line per step."""
 
     LINE_KEYS = [("reward/mean", "reward", "{:.3f}"), ("eval/pass@1", "pass@1", "{:.3f}"),
                  ("loss/policy", "loss", "{:+.4f}"), ("mismatch/train_rollout_logprob_abs_diff", "|dlp|", "{:.2e}"),
                  ("mismatch/train_rollout_kl", "kl", "{:.1e}"), ("mismatch/tis_weight_mean", "tis", "{:.3f}"),
+                 ("mismatch/routing_disagreement", "route", "{:.3f}"),
                  ("optim/grad_norm", "gnorm", "{:.3f}"), ("response/length_mean", "len", "{:.1f}"),
                  ("time/step", "t", "{:.2f}s")]
 

@@ -19,7 +19,9 @@ class MegatronPolicy:
         initialize_distributed(tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
                                etp=args.expert_tensor_parallel_size, seed=args.seed)
         overrides = dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                         expert_model_parallel_size=args.expert_model_parallel_size)
+                         expert_model_parallel_size=args.expert_model_parallel_size,
+                         # every router gets Megatron's RouterReplay: R3, and the disagreement metric
+                         moe_enable_routing_replay=True)
         if args.expert_tensor_parallel_size is not None:
             overrides["expert_tensor_parallel_size"] = args.expert_tensor_parallel_size
         if args.bf16:
@@ -60,6 +62,10 @@ class MegatronPolicy:
             self.plan = quads_plan(self.model)
         else:
             self.plan = plan_for_model(self.model, self.recipe)
+        from quads_megatron.megatron.routing_replay import RoutingReplay
+
+        self.routing = RoutingReplay(self.model)
+        self.last_routing_diff = None  # [B, S-1, L] bool of the last token_logprobs with routes
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps, weight_decay=args.weight_decay)
         self.device = next(self.model.parameters()).device
@@ -85,17 +91,29 @@ class MegatronPolicy:
     def _pad_len(self, n: int) -> int:
         return n if self.tp == 1 else int(math.ceil(n / self.tp) * self.tp)
 
-    def token_logprobs(self, tokens: torch.Tensor, with_entropy: bool = False):
-        """Log-probs [B, S-1] of tokens[:, 1:] under softmax(logits / temperature); entropy [B, S-1] optionally."""
+    def token_logprobs(self, tokens: torch.Tensor, with_entropy: bool = False, routes: torch.Tensor | None = None,
+                       replay: bool = False):
+        """Log-probs [B, S-1] of tokens[:, 1:] under softmax(logits / temperature); entropy [B, S-1] optionally.
+
+        routes: the rollout's top-k expert ids [B, S, L, K]; with them ``last_routing_diff`` [B, S-1, L] says
+        where the routers' own top-k set differs, and with ``replay`` the routers use them (R3).
+        """
         from megatron.core import tensor_parallel
 
         B, S = tokens.shape
         Sp = self._pad_len(S)
         if Sp != S:
             tokens = torch.cat([tokens, tokens.new_zeros(B, Sp - S)], 1)
+            if routes is not None:  # TP padding rows: experts 0..K-1, like every row the rollout never fed
+                K = routes.shape[-1]
+                fill = torch.arange(K, dtype=routes.dtype).expand(B, Sp - S, routes.shape[2], K)
+                routes = torch.cat([routes, fill], 1)
         tokens = tokens.to(self.device)
         pos = torch.arange(Sp, device=self.device).unsqueeze(0).expand(B, Sp)
+        self.routing.begin(routes, replay, self.device)
         logits = self.model(tokens, pos, None)  # [B, Sp, V/TP]
+        diff = self.routing.end(B, Sp)
+        self.last_routing_diff = None if diff is None else diff[:, : S - 1]
         logits = logits[:, : S - 1].float() / self.temperature
         if self.padded_vocab_size > self.vocab_size:  # padded rows do not exist on the rollout side
             from megatron.core import parallel_state
