@@ -401,7 +401,7 @@ RESUME_MAY_CHANGE = ("seq_length", "lr", "n_samples_per_prompt", "rollout_batch_
                      "micro_batch_size", "max_new_tokens", "temperature", "top_p", "eps_clip", "eps_clip_high",
                      "use_tis", "tis_cap", "use_mis", "mis_low", "mis_high", "kl_coef",
                      "disable_grpo_std_normalization", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay",
-                     "clip_grad", "seed", "bf16")
+                     "clip_grad", "seed", "bf16", "use_rollout_routing_replay")
 
 
 def _allowed_changes(args) -> set:

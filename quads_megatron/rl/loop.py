@@ -278,10 +278,9 @@ class GRPOTrainer:
         if replay and batch.routes is None:
             raise ConfigError("--use-rollout-routing-replay: the rollout engine returned no routed experts "
                               "(an SGLang server needs --enable-return-routed-experts)")
-        routes = (lambda b: None) if batch.routes is None else (lambda b: b.routes)
         if self.steps_per_rollout > 1:
             with torch.no_grad():
-                old_lp = torch.cat([self.policy.token_logprobs(mb.tokens, routes=routes(mb), replay=replay)[0]
+                old_lp = torch.cat([self.policy.token_logprobs(mb.tokens, routes=mb.routes, replay=replay)[0]
                                     for mb in (batch.slice(i, i + mbs) for i in range(0, len(batch), mbs))])
         if old_lp is not None:
             check_finite("the trainer log-prob", step, _nonfinite(old_lp, batch.mask))
@@ -294,7 +293,7 @@ class GRPOTrainer:
             denom = sub.mask.sum().clamp_min(1.0)
             for i in range(0, len(sub), mbs):
                 mb = sub.slice(i, i + mbs)
-                lp, ent = self.policy.token_logprobs(mb.tokens, with_entropy=True, routes=routes(mb), replay=replay)
+                lp, ent = self.policy.token_logprobs(mb.tokens, with_entropy=True, routes=mb.routes, replay=replay)
                 if bad is None and _nonfinite(lp.detach(), mb.mask):
                     bad = "the trainer log-prob"
                 olp = lp.detach() if old_lp is None else old_lp[sub_lo + i: sub_lo + i + len(mb)]
