@@ -1,62 +1,150 @@
-"""RL stability: GRPO with BF16 rollouts, naive W4A4 rollouts (BF16 trainer) and QUADS (AQAT + RAC), same seeds.
+"""RL stability: GRPO with BF16 rollouts, naive W4A4 rollouts (BF16 trainer) and QUADS (AQAT + RAC), each also
+with rollout routing replay (R3), same seeds.
 
-Runs the GRPO job (quads_megatron.rl) once per configuration and seed with identical flags otherwise;
-writes every run's per-step reward, pass@1 and rollout-trainer gap as JSON and a 3-panel PNG.
+Runs the GRPO job (quads_megatron.rl) once per row and seed with identical flags otherwise; writes every run's
+per-step reward, pass@1, mean and p99 of the |rollout - trainer| log-prob gap, KL, routing disagreement and
+gradient norm as JSON, and one PNG panel per metric. Resumable: with --work-dir a finished run is read back
+and not rerun, and an unfinished one continues from its last GRPO checkpoint (--save-interval steps).
 
-    python tools/paper_rl_stability.py --hf-checkpoint runs/moe-240m-hf --seeds 1 -- --train-iters 100
+    python tools/paper_rl_stability.py --hf-checkpoint runs/moe-240m-hf --seeds 1 --naive-seeds 1,2 \\
+        --work-dir runs/paper/rl_stability -- --train-iters 300
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import tempfile
+from pathlib import Path
 
-from quads_megatron.errors import run_cli
+from quads_megatron.errors import ConfigError, run_cli
 
-CONFIGS = {"BF16 rollout": ("bf16", "bf16"), "naive W4A4 (BF16 trainer)": ("bf16", "w4a4"),
-           "QUADS (AQAT + RAC)": ("w4a16", "w4a4_rac")}
+# row -> (trainer precision, rollout precision, --use-rollout-routing-replay)
+CONFIGS = {"BF16 rollout": ("bf16", "bf16", False), "naive W4A4 (BF16 trainer)": ("bf16", "w4a4", False),
+           "QUADS (AQAT + RAC)": ("w4a16", "w4a4_rac", False), "naive W4A4 + R3": ("bf16", "w4a4", True),
+           "QUADS + R3": ("w4a16", "w4a4_rac", True)}
+NAIVE = ("naive W4A4 (BF16 trainer)", "naive W4A4 + R3")
+COLORS = dict(zip(CONFIGS, ["tab:blue", "tab:red", "tab:green", "tab:orange", "tab:olive"]))
+# (history key, y label, log scale)
+METRICS = [("reward", "reward (mean over rollouts)", False), ("pass", "pass@1 (greedy, held-out)", False),
+           ("gap", "mean |logp_train - logp_rollout|", True), ("gap_p99", "p99 |logp_train - logp_rollout|", True),
+           ("kl", "KL(rollout || trainer), k3", True), ("routing_disagreement", "routing disagreement", False),
+           ("grad_norm", "gradient norm", True)]
+
+
+def _slug(name: str, seed: int) -> str:
+    return f"{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}_seed{seed}"
+
+
+def _seeds(text: str, flag: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated integers") from None
+
+
+def plan_runs(args) -> list[tuple[str, int]]:
+    """(row, seed) of every run: --seeds for every row, --naive-seeds (default: --seeds) for the naive W4A4 rows."""
+    rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(CONFIGS)
+    unknown = [r for r in rows if r not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"--rows {unknown}: expected some of {list(CONFIGS)}")
+    seeds = _seeds(args.seeds, "--seeds")
+    naive = _seeds(args.naive_seeds, "--naive-seeds") if args.naive_seeds else seeds
+    return [(row, seed) for row in rows for seed in (naive if row in NAIVE else seeds)]
+
+
+def run_one(args, row: str, seed: int, work: Path) -> dict:
+    """One GRPO job (or its record from an earlier invocation)."""
+    from quads_megatron.apps.study import cli
+    from quads_megatron.rl.loop import main as grpo_main
+
+    record = work / f"{_slug(row, seed)}.json"
+    if record.exists():
+        done = json.loads(record.read_text())
+        print(f"[rl_stability] {row}, seed {seed}: already done ({record})", flush=True)
+        return done
+    train, rollout, r3 = CONFIGS[row]
+    args.seed = seed
+    run_dir = work / _slug(row, seed)
+    flags = cli.job_flags(args, train, rollout, str(run_dir / "tb"))
+    if r3:
+        flags.append("--use-rollout-routing-replay")
+    if args.save_interval:
+        flags += ["--save", str(run_dir / "ckpt"), "--save-interval", str(args.save_interval), "--resume"]
+    s = grpo_main(flags)
+    done = {"config": row, "seed": seed, "train": train, "rollout": rollout, "routing_replay": r3,
+            "history": s["history"], "pass@1_before": s["pass@1_before"], "pass@1_after": s["pass@1_after"],
+            "reward_before": s["reward_before"], "reward_after": s["reward_after"],
+            "mean_gap": s["mean_logprob_abs_diff"], "mean_routing_disagreement": s.get("mean_routing_disagreement"),
+            "wall_time_s": s["wall_time_s"]}
+    cli.write_json(record, done)
+    return done
+
+
+def plot(runs: list[dict], path) -> None:
+    from quads_megatron.apps.study import plots
+
+    plt = plots._plt()
+    ncols = 4
+    nrows = -(-len(METRICS) // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.8 * nrows), squeeze=False)
+    fig.suptitle("GRPO on the same seeds: BF16, naive W4A4 and QUADS rollouts, without and with routing replay",
+                 fontsize=11)
+    axes = [a for row in grid for a in row]
+    for r in runs:
+        h, lab, color = r["history"], f"{r['config']} (seed {r['seed']})", COLORS[r["config"]]
+        style = "--" if r.get("routing_replay") else "-"
+        for ax, (key, _, _) in zip(axes, METRICS):
+            if key == "pass":
+                pts = [(0, r["pass@1_before"])] + [(x["step"], x["pass"]) for x in h if x.get("pass") is not None]
+                marker = "o"
+            else:
+                pts = [(x["step"], x[key]) for x in h if x.get(key) is not None]
+                marker = None
+            if pts and all(v is not None for _, v in pts):
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, color=color, alpha=0.8,
+                        label=lab)
+    for ax, (_, ylabel, log) in zip(axes, METRICS):
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if log and ax.lines and all(min(line.get_ydata()) > 0 for line in ax.lines):
+            ax.set_yscale("log")
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[len(METRICS):]:
+        ax.axis("off")
+    if len(axes) > len(METRICS):
+        axes[-1].legend(handles, labels, fontsize=7, loc="center")
+    else:
+        axes[0].legend(fontsize=7)
+    plots.save(fig, path)
 
 
 def main(argv=None) -> dict:
-    from quads_megatron.rl.loop import main as grpo_main
-    from quads_megatron.apps.study import cli, plots
+    from quads_megatron.apps.study import cli
 
     p = cli.common_parser(__doc__.splitlines()[0], "rl_stability")
-    p.add_argument("--seeds", default="1", help="comma-separated seeds; each configuration runs once per seed")
+    p.add_argument("--seeds", default="1", help="comma-separated seeds; each row runs once per seed")
+    p.add_argument("--naive-seeds", default=None, help="seeds of the two naive W4A4 rows (default: --seeds)")
+    p.add_argument("--rows", default=None, help=f"comma-separated subset of the rows {list(CONFIGS)} (default: all)")
+    p.add_argument("--work-dir", default=None, help="keep each run's record, TensorBoard and checkpoints here; "
+                   "a rerun skips finished runs and resumes unfinished ones (default: a temporary directory)")
+    p.add_argument("--save-interval", type=int, default=50,
+                   help="GRPO checkpoint every N steps with --work-dir, so a cut run resumes (0: none)")
     args = p.parse_args(argv)
-    runs = []
-    with tempfile.TemporaryDirectory() as tb:
-        for seed in [int(s) for s in args.seeds.split(",")]:
-            args.seed = seed
-            for name, (train, rollout) in CONFIGS.items():
-                s = grpo_main(cli.job_flags(args, train, rollout, f"{tb}/{len(runs)}"))
-                runs.append({"config": name, "seed": seed, "train": train, "rollout": rollout,
-                             "history": s["history"], "pass@1_before": s["pass@1_before"],
-                             "pass@1_after": s["pass@1_after"], "reward_before": s["reward_before"],
-                             "reward_after": s["reward_after"], "mean_gap": s["mean_logprob_abs_diff"],
-                             "wall_time_s": s["wall_time_s"]})
+    planned = plan_runs(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir) if args.work_dir else Path(tmp)
+        if not args.work_dir:
+            args.save_interval = 0  # nothing to resume from a temporary directory
+        work.mkdir(parents=True, exist_ok=True)
+        runs = [run_one(args, row, seed, work) for row, seed in planned]
     out = {"tool": "paper_rl_stability", "env": cli.environment(), "argv": sys.argv[1:] if argv is None else argv,
            "config": {k: v for k, v in vars(args).items() if k not in ("out_json", "out_png")}, "runs": runs}
     cli.write_json(args.out_json, out)
-    fig, axes = plots.figure(3, title="GRPO on the same seeds: BF16 vs naive W4A4 vs QUADS rollouts")
-    colors = dict(zip(CONFIGS, ["tab:blue", "tab:red", "tab:green"]))
-    for r in runs:
-        h = r["history"]
-        steps = [x["step"] for x in h]
-        lab = f"{r['config']} (seed {r['seed']})"
-        axes[0].plot(steps, [x["reward"] for x in h], color=colors[r["config"]], alpha=0.8, label=lab)
-        ev = [(x["step"], x["pass"]) for x in h if x.get("pass") is not None]
-        axes[1].plot([0] + [e[0] for e in ev], [r["pass@1_before"]] + [e[1] for e in ev], "o-",
-                     color=colors[r["config"]], alpha=0.8, label=lab)
-        axes[2].plot(steps, [x["gap"] for x in h], color=colors[r["config"]], alpha=0.8, label=lab)
-    for a, yl in zip(axes, ["reward (mean over rollouts)", "pass@1 (greedy, held-out)",
-                            "mean |logp_train - logp_rollout|"]):
-        a.set_xlabel("GRPO step")
-        a.set_ylabel(yl)
-        a.grid(alpha=0.3)
-    axes[2].set_yscale("log")
-    axes[0].legend(fontsize=7)
-    plots.save(fig, args.out_png)
+    plot(runs, args.out_png)
     print(f"wrote {args.out_json} and {args.out_png}")
     return out
 

@@ -426,6 +426,7 @@ class GRPOTrainer:
                 "mismatch/ess_ratio": stats["ess_ratio"],
                 **{f"mismatch/{k}": stats[k] for k in ("routing_disagreement", "routing_disagreement_any_layer")
                    if k in stats},
+                "mismatch/logprob_abs_diff_p99": float(torch.quantile(gaps.abs().double(), 0.99)) if gaps.numel() else 0.0,
                 "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                 "throughput/rollout_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
                 "throughput/train_tokens_per_s": float(batch.mask.sum()) / max(t2 - t1, 1e-9),
@@ -439,6 +440,8 @@ class GRPOTrainer:
             self.history.append({"step": it, "reward": scalars["reward/mean"],
                                  "gap": scalars["mismatch/train_rollout_logprob_abs_diff"],
                                  "routing_disagreement": scalars.get("mismatch/routing_disagreement"),
+                                 "gap_p99": scalars["mismatch/logprob_abs_diff_p99"],
+                                 "kl": scalars["mismatch/train_rollout_kl"], "grad_norm": scalars["optim/grad_norm"],
                                  "pass": scalars.get("eval/pass@1")})
             if it % a.log_interval == 0 or it == a.train_iters:
                 line = self.logger.log(it, scalars, {"mismatch/logprob_gap": gaps}, line=False)

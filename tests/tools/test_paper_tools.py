@@ -94,15 +94,25 @@ def test_throughput(tmp_path):
 
 
 def test_rl_stability(tmp_path):
-    _tool("paper_rl_stability").main(SMALL + _outs(tmp_path, "rl") + [
-        "--", "--train-iters", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--eval-interval", "2"])
+    argv = SMALL + _outs(tmp_path, "rl") + ["--work-dir", str(tmp_path / "work"), "--save-interval", "0", "--",
+                                            "--train-iters", "2", "--rollout-batch-size", "2",
+                                            "--n-samples-per-prompt", "2", "--eval-interval", "2"]
+    _tool("paper_rl_stability").main(argv)
     data = _check_files(tmp_path, "rl")
-    runs = {r["rollout"]: r for r in data["runs"]}
-    assert [r["rollout"] for r in data["runs"]] == ["bf16", "w4a4", "w4a4_rac"]
-    assert [runs[p]["train"] for p in runs] == ["bf16", "bf16", "w4a16"]  # naive W4A4 vs QUADS' AQAT trainer
+    rows = [(r["train"], r["rollout"], r["routing_replay"]) for r in data["runs"]]
+    # naive W4A4 vs QUADS' AQAT trainer, each also with rollout routing replay (R3)
+    assert rows == [("bf16", "bf16", False), ("bf16", "w4a4", False), ("w4a16", "w4a4_rac", False),
+                    ("bf16", "w4a4", True), ("w4a16", "w4a4_rac", True)]
     for r in data["runs"]:
         assert [h["step"] for h in r["history"]] == [1, 2] and r["pass@1_after"] is not None
         assert r["seed"] == data["config"]["seed"] and 0 <= r["pass@1_after"] <= 1
+        for h in r["history"]:
+            assert 0 <= h["routing_disagreement"] <= 1 and h["gap_p99"] >= 0
+            assert h["kl"] >= 0 and h["grad_norm"] >= 0
+    runs = {r["rollout"]: r for r in data["runs"] if not r["routing_replay"]}
     # the mismatch QUADS exists to remove: none for BF16, far less for AQAT + RAC than naive W4A4
-    assert runs["bf16"]["mean_gap"] < 1e-6
+    assert runs["bf16"]["mean_gap"] < 1e-6 and runs["bf16"]["mean_routing_disagreement"] <= 0.01
     assert runs["bf16"]["mean_gap"] < runs["w4a4_rac"]["mean_gap"] < 0.2 * runs["w4a4"]["mean_gap"]
+    # resumable: a second invocation reads the finished runs back instead of rerunning them
+    again = _tool("paper_rl_stability").main(argv)
+    assert [r["wall_time_s"] for r in again["runs"]] == [r["wall_time_s"] for r in data["runs"]]
