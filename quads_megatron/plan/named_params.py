@@ -141,11 +141,16 @@ def _check_scales(batches) -> None:
 
 def quantize_named_params(named_tensors: Iterable[Named], plan: QuantPlan) -> Iterator[Named]:
     """Yield the rollout's ``(name, tensor)``: NVFP4 triples where the plan says so, the rest as given."""
-    for names, tensors, quantized in quantize_scale_groups(named_tensors, plan):
-        if quantized is None:
-            yield names[0], tensors[0]
-            continue
-        for name, q in zip(names, quantized):
-            triple = q.to_modelopt()
-            for out_name, key in zip(modelopt_names(name), NVFP4_WEIGHT_KEYS):
-                yield out_name, triple[key]
+    for item in quantize_scale_groups(named_tensors, plan):
+        yield from rollout_items(*item)
+
+
+def rollout_items(names, tensors, quantized) -> Iterator[Named]:
+    """One ``quantize_scale_groups`` item as the rollout's ``(name, tensor)`` pairs (ModelOpt NVFP4 triples)."""
+    if quantized is None:
+        yield from zip(names, tensors)
+        return
+    for name, q in zip(names, quantized):
+        triple = q.to_modelopt()
+        for out_name, key in zip(modelopt_names(name), NVFP4_WEIGHT_KEYS):
+            yield out_name, triple[key]

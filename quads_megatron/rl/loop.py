@@ -230,25 +230,26 @@ class GRPOTrainer:
 
     def _sglang_weights_with_calibration(self):
         """Rank 0: the synced weights (NVFP4 where the plan says and the engine wants it) followed by the
-        activation-side tensors of their calibration; other ranks: the gather to join."""
-        import itertools
-
-        from quads_megatron.plan import quantize_named_params
+        activation-side tensors of their calibration; other ranks: the gather to join. The weights stream
+        through the calibration model, whose NVFP4 buffers are what is sent (built once, nothing held)."""
+        from quads_megatron.plan.named_params import rollout_items
         from quads_megatron.rollout import CALIBRATION_DTYPE, RolloutModel
 
         if not _rank0():
             return self.policy.hf_weights()
-        hf = list(self.policy.hf_weights())
         if self._calibration_model is None:
             from quads_megatron.device import resolve_device
 
             self._calibration_model = RolloutModel(self.policy.hf_config(), self.policy.plan,
                                                    dtype=CALIBRATION_DTYPE, device=resolve_device(None))
-        model = self._calibration_model
-        model.load_weights(hf)
-        model.calibrate(self.calibration_prompts())
-        sent = quantize_named_params(hf, self.policy.plan) if self.engine.sends_nvfp4 else hf
-        return itertools.chain(sent, model.activation_tensors())
+        model, nvfp4 = self._calibration_model, self.engine.sends_nvfp4
+
+        def stream():
+            for names, tensors, quantized in model.load_groups(self.policy.hf_weights()):
+                yield from rollout_items(names, tensors, quantized if nvfp4 else None)
+            model.calibrate(self.calibration_prompts())
+            yield from model.activation_tensors()
+        return stream()
 
     def rollout(self, step: int):
         """Generate G responses for this rank's prompts; return (samples, rollouts, rewards [N])."""

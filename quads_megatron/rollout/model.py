@@ -73,6 +73,15 @@ class RolloutModel:
         measure_error: also accumulate each module's weight error (an extra dequantize per weight).
         Returns True when a RAC column tensor had to be rebound (graphs captured before must not replay).
         """
+        for _ in self.load_groups(named_tensors, measure_error):
+            pass
+        return self.rac_rebound
+
+    def load_groups(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False):
+        """``load_weights`` as a stream: yields each ``quantize_scale_groups`` item ``(names, tensors,
+        quantized)`` once it is in place, so a caller that forwards the weights (the SGLang sync) reuses the
+        NVFP4 tensors built here instead of quantizing twice or holding the whole stream. Exhaust it: the
+        tied embeddings and RAC columns (``rac_rebound``) are settled after the last item."""
         params = dict(self.model.named_parameters())
         if measure_error:
             for m in self.modules.values():
@@ -99,11 +108,12 @@ class RolloutModel:
                                          f"expects {tuple(dst.shape)}")
                     dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
                 seen.add(name)
+            yield names, tensors, quantized
         if not seen:
             raise ValueError("weight sync: no tensors received")
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
-        return self.refresh_rac_columns()
+        self.rac_rebound = self.refresh_rac_columns()
 
     def _destination(self, params: dict, name: str) -> torch.Tensor:
         """The HF model parameter (or the slice of a fused expert parameter) that ``name`` fills."""

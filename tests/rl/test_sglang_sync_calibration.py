@@ -35,6 +35,9 @@ def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling):
                                 dtype=torch.float32)
             local.update_weights(trainer.policy.hf_weights())
             local.calibrate(trainer.calibration_prompts())
+            from quads_megatron.plan import quantize_named_params
+
+            sent_weights = dict(quantize_named_params(trainer.policy.hf_weights(), trainer.policy.plan))
         finally:
             trainer.close()
     finally:
@@ -50,3 +53,8 @@ def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling):
     experts = local.nvfp4_modules["model.layers.0.mlp.experts"]
     assert torch.equal(received["model.layers.0.mlp.experts.2.down_proj.input_comp_index"], experts.w2_comp_index[2])
     assert received["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.uint8   # NVFP4 sent as before
+    # every weight is what the exporter's quantizer makes of the trainer's weights, bit for bit
+    assert set(received) == set(sent_weights) | set(want)
+    for name, t in sent_weights.items():
+        assert received[name].dtype == t.dtype and torch.equal(received[name].reshape(-1).view(torch.uint8),
+                                                               t.reshape(-1).view(torch.uint8)), name
