@@ -3,6 +3,7 @@
 #   bash tools/gpu_session.sh check pretrain ablations   # GPU tests; pretrain moe-240m; the paper tools
 #   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
+#   bash tools/gpu_session.sh pretrain sglang-grpo       # the GRPO job with --sglang-launch rollouts
 # Needs megatron-core (and transformers >= 5.19) importable; OUT (default runs/gpu) receives logs, JSON, PNG.
 # Sizes are env-overridable for a quick probe: PRETRAIN_ITERS, RL_ITERS, NUM_PROMPTS.
 set -uo pipefail
@@ -18,15 +19,26 @@ NUM_PROMPTS=${NUM_PROMPTS:-64}
 RL_FLAGS=(--sft-iters 60 --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 16 --n-samples-per-prompt 8
           --eval-interval 10 --lr 2e-5)
 stage() { echo "=== $1 $(date +%T)"; }
+# SGLang's slim wheel set (tools/sglang_wheelhouse.sh -> .whl-sglang, carried), plus .whl (megatron-core,
+# transformers) when present, installed beside the image's torch; the server runs with SLIM_IMAGE_ENV.
+with_sglang() {
+  [ -d .whl-sglang ] || { echo "no .whl-sglang: run tools/sglang_wheelhouse.sh and carry it"; return 1; }
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sglang-site \
+      .whl-sglang/*.whl $(ls .whl/*.whl 2>/dev/null) || return 1
+  export PYTHONPATH=".:/tmp/sglang-site"
+  eval "$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ENV as e
+print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
+}
 for s in "$@"; do
   case $s in
     check-rl)
       stage check-rl
       $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gpu_rl_tests.log" ;;
     check)
+      # every GPU test; the SGLang ones (server, CUDA graphs) run when .whl-sglang was carried, else skip
       stage check
-      $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py tests/megatron tests/convert/test_gpu_export.py \
-          tests/nvfp4 tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      [ -d .whl-sglang ] && { with_sglang || exit 1; }
+      $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
     pretrain)
       stage pretrain
       if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
@@ -49,13 +61,20 @@ for s in "$@"; do
           --out-json "$OUT/rl_stability.json" --out-png "$OUT/rl_stability.png" -- --train-iters "$RL_ITERS" \
           "${RL_FLAGS[@]}" 2>&1 | grep -E "summary|wrote|Error|error" | tail -8 ;;
     sglang)
-      # SGLang's server with --quantization quads: the wheel set of tools/sglang_wheelhouse.sh (.whl-sglang),
-      # plus .whl (megatron-core, transformers) when present; SGLANG_ARGS picks stages / sizes.
+      # SGLang's server with --quantization quads: agreement, weight updates, throughput (SGLANG_ARGS picks)
       stage sglang
-      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sglang-site \
-          .whl-sglang/*.whl $(ls .whl/*.whl 2>/dev/null) || exit 1
-      PYTHONPATH=".:/tmp/sglang-site" $PY tools/sglang_h200.py --out-json "$OUT/sglang.json" ${SGLANG_ARGS:-} ;;
-    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, sglang)"; exit 2 ;;
+      with_sglang || exit 1
+      $PY tools/sglang_h200.py --out-json "$OUT/sglang.json" ${SGLANG_ARGS:-} ;;
+    sglang-grpo)
+      # the GRPO job with --sglang-launch rollouts on the pretrained preset, beside the local-engine run of `rl`
+      stage sglang-grpo
+      with_sglang || exit 1
+      slim=$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS as a; print(" ".join(a))')
+      torchrun --nproc-per-node 1 examples/train_grpo_moe.sh --hf-checkpoint "$CKPT" --bf16 --seq-length 48 \
+          --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --sglang-launch \
+          --sglang-server-args "$slim --mem-fraction-static 0.3" --tensorboard-dir "$OUT/tb-sglang-grpo" \
+          --summary-json "$OUT/sglang_grpo.json" 2>&1 | grep -E "summary|step .*0 \||Error|error" | tail -12 ;;
+    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, sglang, sglang-grpo)"; exit 2 ;;
   esac
 done
 stage done
