@@ -15,6 +15,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.errors import CheckpointError
+from quads_megatron.plan.layout import packed_cols
 
 
 
@@ -61,12 +62,13 @@ def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name, fc1_shards
 
     # fc1: gate and up of one expert share the amax of their full weights; this rank quantizes its rows
     full13 = [get(e, sid) for e in owned for sid in fc1_shards]
-    amax13, bad13 = nvfp4.amax_grouped(full13, scale_group=2, name="gate_proj/up_proj weights")
-    q13 = nvfp4.quantize_grouped([t[rows] for t in full13], scale_group=2, amax=amax13, nonfinite=bad13)
+    share = len(fc1_shards)  # the plan's scale group: gate and up of one expert
+    amax13, bad13 = nvfp4.amax_grouped(full13, scale_group=share, name="gate_proj/up_proj weights")
+    q13 = nvfp4.quantize_grouped([t[rows] for t in full13], scale_group=share, amax=amax13, nonfinite=bad13)
     n = len(owned)
-    layer.w13_weight.data.index_copy_(0, slots, q13.data.view(n, 2 * f, h // 2))
+    layer.w13_weight.data.index_copy_(0, slots, q13.data.view(n, share * f, packed_cols(h)))
     layer.w13_weight_scale.data.view(torch.uint8).index_copy_(0, slots, q13.scale.view(torch.uint8).view(n, 2 * f, -1))
-    s13 = q13.global_scale.view(n, 2)
+    s13 = q13.global_scale.view(n, share)
     layer.w13_weight_scale_2.data.index_copy_(0, slots, s13)
     # fc2: the down projection's K is sharded over TP ranks; its amax is the full weight's
     full2 = [get(e, "w2") for e in owned]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from quads_megatron.nvfp4 import BLOCK_SIZE
-from quads_megatron.vocab import ActivationScaling, Precision, Scope
+from quads_megatron.vocab import ActivationScaling, Precision
 
 if TYPE_CHECKING:
     from quads_megatron.plan.quant_plan import QuantPlan
@@ -70,6 +70,11 @@ def activation_specs(precision: Precision, rac_channels: int) -> Dict[str, Spec]
     if precision.uses_rac:
         out[COMP_INDEX] = ((rac_channels,), COMP_INDEX_DTYPE)
     return out
+
+
+def experts_group_names(prefix: str) -> Tuple[str, str]:
+    """The activation groups of the experts unit ``prefix`` (``model.layers.{i}.mlp.experts``): (fc1, fc2)."""
+    return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
 
 
 def modelopt_names(weight_name: str) -> List[str]:
@@ -132,9 +137,9 @@ class RolloutLayout:
                 if g is not None:
                     yield g
             ex = f"model.layers.{i}.mlp.experts"
-            for fused, projs, per_member in (("gate_up_proj", EXPERT_FC1, False), ("down_proj", EXPERT_FC2, True)):
+            for gname, projs, per_member in zip(experts_group_names(ex), (EXPERT_FC1, EXPERT_FC2), (False, True)):
                 members = [f"{ex}.{e}.{p}.weight" for e in range(d.num_experts) for p in projs]
-                g = self._group(f"{ex}.{fused}", i, members, True, per_member)
+                g = self._group(gname, i, members, True, per_member)
                 if g is not None:
                     yield g
 
@@ -148,10 +153,6 @@ class RolloutLayout:
 
     def __iter__(self) -> Iterator[ActivationGroup]:
         return iter(self.groups)
-
-    def weight_scale_group(self, weight_name: str) -> Tuple[str, ...]:
-        """HF weights sharing ``weight_scale_2`` with ``weight_name`` (the plan's scale group)."""
-        return self.plan[weight_name].scale_group
 
     def tensor_specs(self, shapes: Dict[str, Tuple[int, ...]]) -> Tuple[Dict[str, tuple], Dict[str, torch.dtype]]:
         """``({name: shape}, {name: dtype})`` of every rollout checkpoint tensor, given the HF shapes
@@ -167,6 +168,3 @@ class RolloutLayout:
             for suffix, (shp, dtype) in entries.items():
                 out_shapes[f"{t.module}.{suffix}"], dtypes[f"{t.module}.{suffix}"] = shp, dtype
         return out_shapes, dtypes
-
-    def scope_groups(self, scope: Scope) -> List[ActivationGroup]:
-        return [g for g in self.groups if g.experts == (scope is Scope.ROUTED_EXPERTS)]

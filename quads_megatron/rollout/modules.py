@@ -18,7 +18,8 @@ from torch import nn
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
 from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
-                                        WEIGHT_SCALE_2, nvfp4_weight_specs)
+                                        WEIGHT_SCALE_2, block_scale_cols, experts_group_names, nvfp4_weight_specs,
+                                        packed_cols)
 from quads_megatron.vocab import Precision, Scope
 
 _ATTN_PROJ = ATTN_QKV + ATTN_O
@@ -184,7 +185,8 @@ class NVFP4Experts(_QuantExperts):
             return None
         E, F, H = self.num_experts, self.ffn, self.hidden
         if tuple(role) == EXPERT_FC1:
-            return (self.w13.view(2 * E, F, H // 2), self.w13_scale.view(2 * E, F, H // 16), self.w13_scale_2)
+            return (self.w13.view(2 * E, F, packed_cols(H)), self.w13_scale.view(2 * E, F, block_scale_cols(H)),
+                    self.w13_scale_2)
         if tuple(role) == EXPERT_FC2:
             return self.w2, self.w2_scale, self.w2_scale_2
         return None
@@ -337,11 +339,6 @@ def _store(m, attr: str, value) -> bool:
     return True
 
 
-def _experts_groups(prefix: str) -> tuple:
-    """The layout's activation groups of an experts unit: (fc1, fc2)."""
-    return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
-
-
 def attach_calibrator(modules: dict, calibrator, layout) -> None:
     """Switch every activation-quantized module to its calibration forward, feeding ``calibrator``
     (a ``plan.calibration.Calibrator``) under the layout's group names; one member per shared input observes."""
@@ -349,7 +346,7 @@ def attach_calibrator(modules: dict, calibrator, layout) -> None:
         if not m.precision.quantizes_activations:
             continue
         if isinstance(m, _QuantExperts):
-            m.calibrator, m._x = (calibrator, *_experts_groups(name)), []
+            m.calibrator, m._x = (calibrator, *experts_group_names(name)), []
             continue
         g = layout.group_of(f"{name}.weight")
         m.calibrator = (calibrator, g.name if g is not None and g.members[0] == f"{name}.weight" else None)
@@ -365,7 +362,8 @@ def group_weights(modules: dict, group) -> torch.Tensor:
     [E, N, K] for an experts group, the members' rows stacked [N, K] otherwise."""
     if group.experts:
         prefix = group.name.rsplit(".", 1)[0]
-        return modules[prefix].dequantized("w13" if group.name.endswith("gate_up_proj") else "w2")
+        fc1, _ = experts_group_names(prefix)
+        return modules[prefix].dequantized("w13" if group.name == fc1 else "w2")
     return torch.cat([modules[n[: -len(".weight")]].dequantized() for n in group.members])
 
 
@@ -381,7 +379,7 @@ def apply_calibration(modules: dict, calibration, layout, observed: dict | None 
         if isinstance(m, _QuantExperts):
             dev = next(itertools.chain(m.parameters(), m.buffers())).device
             for (attr_scale, attr_comp), gname in zip((("w13_input_scale", "w13_comp_index"),
-                                                        ("w2_input_scale", "w2_comp_index")), _experts_groups(name)):
+                                                        ("w2_input_scale", "w2_comp_index")), experts_group_names(name)):
                 c, g = calibration[gname], layout[gname]
                 if g.static:
                     rebound |= _store(m, attr_scale, c.input_scale.to(dev).reshape(()))

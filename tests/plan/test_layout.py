@@ -32,7 +32,7 @@ def test_expert_and_attention_groups():
     qkv = lay.group_of("model.layers.1.self_attn.k_proj.weight")
     assert qkv.members[0] == "model.layers.1.self_attn.q_proj.weight" and len(qkv.members) == 3
     assert lay.group_of("model.layers.1.self_attn.o_proj.weight") is None   # carved out: BF16
-    assert lay.weight_scale_group("model.layers.0.mlp.experts.1.up_proj.weight") == (
+    assert lay.plan["model.layers.0.mlp.experts.1.up_proj.weight"].scale_group == (
         "model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.up_proj.weight")
 
 
