@@ -221,6 +221,7 @@ def test_weights_only_override_env_does_not_reopen_common_pt(saved, tmp_path, mo
 
 from quads_megatron.convert import rollout_export  # noqa: E402
 from quads_megatron.convert.hf_checkpoint import INDEX_FILE, SINGLE_FILE  # noqa: E402
+from test_converters import assert_refused  # noqa: E402 (this directory is on sys.path under pytest)
 
 
 @pytest.fixture(scope="module")
@@ -246,14 +247,8 @@ def _index(d: Path, target: str) -> None:
 
 
 def _refused(main, argv, capsys, match: str, out: Path) -> str:
-    capsys.readouterr()
-    rc = cli.run(main, argv)
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert rc == 2, lines
-    assert len(lines) == 1, lines
-    assert re.search(match, lines[0]), lines[0]
-    assert not out.exists()
-    return lines[0]
+    """The converter suite's check: exit 2, one line matching ``match``, no ``out`` (nor a temporary of it)."""
+    return assert_refused(main, argv, capsys, match, out=out)
 
 
 def _to_megatron(src, out):
