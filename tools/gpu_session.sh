@@ -3,7 +3,8 @@
 #   bash tools/gpu_session.sh check pretrain ablations   # GPU tests; pretrain moe-240m; the paper tools
 #   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
-#   bash tools/gpu_session.sh pretrain sglang-grpo       # the GRPO job with --sglang-launch rollouts
+#   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
+#                                                        # then the same job with the local engine
 # Needs megatron-core (and transformers >= 5.19) importable; OUT (default runs/gpu) receives logs, JSON, PNG.
 # Sizes are env-overridable for a quick probe: PRETRAIN_ITERS, RL_ITERS, NUM_PROMPTS.
 set -uo pipefail
@@ -65,16 +66,21 @@ for s in "$@"; do
       stage sglang
       with_sglang || exit 1
       $PY tools/sglang_h200.py --out-json "$OUT/sglang.json" ${SGLANG_ARGS:-} ;;
-    sglang-grpo)
-      # the GRPO job with --sglang-launch rollouts on the pretrained preset, beside the local-engine run of `rl`
-      stage sglang-grpo
-      with_sglang || exit 1
-      slim=$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS as a; print(" ".join(a))')
+    sglang-grpo|grpo)
+      # the main job on the pretrained preset with routing replay: SGLang rollouts (--sglang-launch, its
+      # routed-experts capture) or the local engine, same flags, for the side-by-side record
+      stage "$s"
+      extra=()
+      if [ "$s" = sglang-grpo ]; then
+        with_sglang || exit 1
+        slim=$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS as a; print(" ".join(a))')
+        extra=(--sglang-launch --sglang-server-args "$slim --mem-fraction-static 0.3")
+      fi
       torchrun --nproc-per-node 1 examples/train_grpo_moe.sh --hf-checkpoint "$CKPT" --bf16 --seq-length 48 \
-          --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --sglang-launch \
-          --sglang-server-args "$slim --mem-fraction-static 0.3" --tensorboard-dir "$OUT/tb-sglang-grpo" \
-          --summary-json "$OUT/sglang_grpo.json" 2>&1 | grep -E "summary|step .*0 \||Error|error" | tail -12 ;;
-    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, sglang, sglang-grpo)"; exit 2 ;;
+          --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --use-rollout-routing-replay "${extra[@]}" \
+          --tensorboard-dir "$OUT/tb-$s" --summary-json "$OUT/$s.json" --no-progress 2>&1 \
+          | grep -E "summary|step .*0 \||Error|error" | tail -12 ;;
+    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, sglang, sglang-grpo, grpo)"; exit 2 ;;
   esac
 done
 stage done

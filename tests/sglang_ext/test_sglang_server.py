@@ -106,15 +106,38 @@ def test_rac_server_serves_what_the_local_engine_computes(ckpts):
     from quads_megatron.convert.calibration import random_prompts
     from quads_megatron.rl.engines.sglang_http import SGLangEngine
 
+    from transformers import Qwen3MoeConfig
+
     url, proc = _server(ckpts["w4a4_rac"], ckpts["root"] / "rac.log")
     try:
-        served = _greedy(SGLangEngine([url], 64))
+        served = _greedy(SGLangEngine([url], 64, hf_config=Qwen3MoeConfig(**CONFIG)))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     local, _ = _local(ckpts["hf1"], "w4a4_rac")
     local.calibrate([p.tolist() for p in random_prompts(CONFIG["vocab_size"], num_samples=8, seq_len=64, seed=0)])
-    _close(served, _greedy(local))
+    mine = _greedy(local)
+    _close(served, mine)
+    _same_routes(served, mine)
+
+
+def _same_routes(a, b, min_share=0.95):
+    """SGLang's routed-experts capture (our MoE method takes its top-k from SGLang's TopK layer) returns
+    each fed token's top-k per layer as the local engine records it: over the tokens both engines were fed
+    (prompt and response up to the first divergence), the top-k sets agree but for near-ties; a capture in
+    the wrong order or layout agrees by chance only (top-2 of 8: 1 in 28)."""
+    same = total = 0
+    for x, y in zip(a, b):
+        for r in (x, y):
+            assert r.routed_experts is not None and r.routed_experts.shape == (
+                len(r.prompt_ids) + len(r.response_ids) - 1, CONFIG["num_hidden_layers"], CONFIG["num_experts_per_tok"])
+        shorter = min(len(x.response_ids), len(y.response_ids))
+        n = next((i for i, (p, q) in enumerate(zip(x.response_ids, y.response_ids)) if p != q), shorter - 1)
+        rows = len(x.prompt_ids) + n  # positions fed identically: the prompt and the agreeing response tokens
+        eq = (x.routed_experts[:rows].sort(-1).values == y.routed_experts[:rows].cpu().sort(-1).values).all(-1)
+        same, total = same + int(eq.sum()), total + eq.numel()
+    print(f"routes: {same}/{total} (token, layer) top-k sets agree")
+    assert same >= min_share * total, f"{same}/{total} top-k sets agree"
 
 
 def test_weight_updates_switch_the_running_server_to_the_new_weights(ckpts):

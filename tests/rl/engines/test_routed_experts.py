@@ -12,7 +12,7 @@ from tests.rl.engines.test_decode import _engine
 def _reference_routes(eng, prompt, response):
     """Top-k of softmax(router logits) from one no-cache forward of the unpadded fed tokens (HF's own
     ``output_router_logits``), as [len(prompt) + len(response) - 1, L, K]."""
-    fed = torch.tensor([prompt + response[:-1]])
+    fed = torch.tensor([prompt + response[:-1]], device=eng.device)
     out = eng.model(input_ids=fed, output_router_logits=True)
     k = eng.model.config.num_experts_per_tok
     return torch.stack([torch.topk(torch.softmax(lg.float(), -1), k, -1).indices for lg in out.router_logits], 1)
@@ -39,3 +39,23 @@ def test_a_one_token_response_has_the_prompt_rows_only():
     params = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=[])
     (o,) = eng.generate([[3, 14, 15]], params, seed=0)
     assert o.routed_experts.shape[0] == 3 and len(o.response_ids) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "w4a4_rac"])
+def test_cuda_graph_decode_records_what_eager_decode_records(precision):
+    """The recorder's static buffer inside the captured decode graph is refilled on every replay: the graph
+    engine returns the eager engine's tokens and routes bit for bit, and both follow each fed token's router."""
+    graph = _engine(precision, device="cuda")
+    eager = _engine(precision, device="cuda")
+    eager.uses_cuda_graph = False
+    assert graph.uses_cuda_graph
+    prompts = [[3, 14, 15, 9, 26], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, stop_token_ids=[11])
+    for g, e, p in zip(graph.generate(prompts, params, seed=7), eager.generate(prompts, params, seed=7), prompts):
+        assert g.response_ids == e.response_ids
+        assert torch.equal(g.routed_experts, e.routed_experts)
+        ref = _reference_routes(eager, p, e.response_ids).to(torch.int32).cpu()
+        same = (g.routed_experts.sort(-1).values == ref.sort(-1).values).all(-1).float().mean().item()
+        assert same >= 0.98, f"{precision}: {same:.3f} of (token, layer) top-k sets follow the router"
