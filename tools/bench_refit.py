@@ -11,6 +11,9 @@ SequentialMLP holds them; layers built one at a time so the whole model need not
   (c) build + load:   the same, written straight into a local engine's ``NVFP4Experts`` buffers (the
                       local engine's sync); the old path (per-expert quantize, then a copy per
                       tensor) is timed next to it on one layer.
+  (b2) / (c2):        (b) / (c) on the layer stream (``plan.ExpertsLayer``: the layer's experts as one
+                      item, ``iter_hf_weights(stacked_experts=True)``): two grouped launches per layer and
+                      no per-expert Python; (b3) adds the per-expert ModelOpt views an SGLang sync sends.
 Floors are bytes moved at the device-copy bandwidth measured in the same run: (a) reads and writes
 BF16; (b)/(c) read BF16 and write 0.5625 B/parameter. A wire-size column compares sending BF16 to
 an SGLang server (it quantizes) against sending NVFP4. CUDA-event timings, median of --iters.
@@ -72,7 +75,8 @@ def main():
     from quads_megatron import nvfp4
     from quads_megatron.models import qwen3_moe
     from quads_megatron.megatron.fake_quant import ExpertsFakeQuant
-    from quads_megatron.plan import QuantPlan, quantize_scale_groups
+    from quads_megatron.plan import ExpertsLayer, QuantPlan, quantize_scale_groups
+    from quads_megatron.plan.named_params import rollout_items
     from quads_megatron.recipe import QuadsRecipe
     from quads_megatron.rollout.modules import NVFP4Experts, load_quantized
     from quads_megatron.vocab import Precision
@@ -120,6 +124,35 @@ def main():
         for _ in quantize_scale_groups(_named(layer, fc1, fc2, F), plan, destination=destination):
             pass
 
+    def build_layer():
+        for _ in quantize_scale_groups([ExpertsLayer(layer, fc1, fc2)], plan):
+            pass
+
+    def build_layer_views():  # what an SGLang sync hands to its flat buckets: per-expert ModelOpt names
+        for item in quantize_scale_groups([ExpertsLayer(layer, fc1, fc2)], plan):
+            for _ in rollout_items(item):
+                pass
+
+    def build_layer_into_engine():
+        def destination(lay, role, experts):
+            return engine.grouped_buffers(role, experts)
+        for _ in quantize_scale_groups([ExpertsLayer(layer, fc1, fc2)], plan, destination=destination):
+            pass
+
+    # the layer stream's bytes equal the per-expert stream's, in the engine's own buffers
+    ref = NVFP4Experts(E, H, F, Precision.W4A4, device)
+    for _ in quantize_scale_groups(_named(0, fc1, fc2, F), plan,
+                                   destination=lambda lay, role, ex, m=ref: m.grouped_buffers(role, ex)):
+        pass
+    ptr = engine.w13.data_ptr()
+    layer = 0
+    build_layer_into_engine()
+    assert engine.w13.data_ptr() == ptr, "the layer stream rebound the engine's buffers"
+    for n in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2"):
+        assert torch.equal(getattr(engine, n).view(torch.uint8), getattr(ref, n).view(torch.uint8)), n
+    del ref
+    print("correctness: the layer stream writes the per-expert stream's bytes into the same buffers")
+
     modules = {"model.layers.0.mlp.experts": engine}
 
     def old_per_expert():  # before: one quantize per scale group, then a copy per tensor into the engine
@@ -131,7 +164,9 @@ def main():
     layer = 0
     old_ms = run(old_per_expert, max(1, a.iters // 2), 1)
     one = {"refresh": run(refresh, a.iters, 2), "build": run(build, a.iters, 2),
-           "build_load": run(build_into_engine, a.iters, 2)}
+           "build_load": run(build_into_engine, a.iters, 2), "build_layer": run(build_layer, a.iters, 2),
+           "build_layer_views": run(build_layer_views, a.iters, 2),
+           "build_load_layer": run(build_layer_into_engine, a.iters, 2)}
     # a whole step: every layer in turn (two weight sets alternate, so no layer's data is in L2;
     # each layer keeps its own fake-quant cache and engine buffers, as in training)
     sets = [(fc1, fc2), _layer(E, H, F, device, 1)]
@@ -144,16 +179,27 @@ def main():
             for c in cs:
                 c.refresh()
 
-    def step_build(into_engine):
-        for i in range(L):
-            w1, w2 = sets[i % 2]
-            dest = (lambda lay, role, ex, m=engines[i]: m.grouped_buffers(role, ex)) if into_engine else None
-            for _ in quantize_scale_groups(_named(i, w1, w2, F), plan, destination=dest):
-                pass
+    def step_build(into_engine, layers=False, views=False):
+        def stream():
+            for i in range(L):
+                w1, w2 = sets[i % 2]
+                if layers:
+                    yield ExpertsLayer(i, w1, w2)
+                else:
+                    yield from _named(i, w1, w2, F)
+        dest = (lambda lay, role, ex: engines[lay].grouped_buffers(role, ex)) if into_engine else None
+        for item in quantize_scale_groups(stream(), plan, destination=dest):
+            if views:
+                for _ in rollout_items(item):
+                    pass
 
-    steps = {"refresh": run(step_refresh, max(1, a.iters // 2), 1),
-             "build": run(lambda: step_build(False), max(1, a.iters // 2), 1),
-             "build_load": run(lambda: step_build(True), max(1, a.iters // 2), 1)}
+    reps = max(1, a.iters // 2)
+    steps = {"refresh": run(step_refresh, reps, 1),
+             "build": run(lambda: step_build(False), reps, 1),
+             "build_load": run(lambda: step_build(True), reps, 1),
+             "build_layer": run(lambda: step_build(False, layers=True), reps, 1),
+             "build_layer_views": run(lambda: step_build(False, layers=True, views=True), reps, 1),
+             "build_load_layer": run(lambda: step_build(True, layers=True), reps, 1)}
     name = f"{L} layers x {E} experts, hidden {H}, FFN {F}, {device}" + (
         f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else "")
     print(f"Refit per RL step: {name}; device copy {bw:.2f} TB/s")
@@ -161,8 +207,13 @@ def main():
     print("|---|---|---|---|---|---|")
     out = {"layers": L, "experts": E, "hidden": H, "ffn": F, "copy_tb_s": bw, "old_per_expert_build_load_ms": old_ms}
     for key, what, nbytes in (("refresh", "(a) AQAT refresh (fc1 + fc2 fake-quant)", bytes_refresh),
-                              ("build", "(b) build NVFP4 rollout weights", bytes_build),
-                              ("build_load", "(c) build + load into the local engine in place", bytes_build)):
+                              ("build", "(b) build NVFP4 rollout weights, per-expert HF stream (old)", bytes_build),
+                              ("build_load", "(c) build + load into the local engine in place, per-expert stream (old)",
+                               bytes_build),
+                              ("build_layer", "(b2) build NVFP4, layer stream (ExpertsLayer)", bytes_build),
+                              ("build_layer_views", "(b3) (b2) + per-expert ModelOpt views (SGLang wire names)",
+                               bytes_build),
+                              ("build_load_layer", "(c2) build + load in place, layer stream", bytes_build)):
         fl = floor(nbytes)
         print(f"| {what} | {one[key]:.3f} | {one[key] / fl:.2f} | {steps[key]:.1f} | {steps[key] / (fl * L):.2f} "
               f"| {fl:.3f} |")

@@ -1,4 +1,5 @@
-"""``iter_hf_weights``: stream (HF name, tensor) from a live Megatron Qwen3-MoE model, gathering TP/EP shards.
+"""``iter_hf_weights``: stream (HF name, tensor) from a live Megatron Qwen3-MoE model, gathering TP/EP shards
+(or, ``stacked_experts=True``, each layer's experts as one ``plan.ExpertsLayer``: the refit's layer stream).
 
 This is the RL weight-sync path and the back half of the Megatron -> HF converter.  Every rank of
 the model-parallel group calls it with the same arguments (it runs collectives) and receives
@@ -43,16 +44,63 @@ def hf_dims_of(model, vocab_size: int | None = None):
 
 @torch.no_grad()
 def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype | None = None,
-                    experts: str = "gather", progress: bool = False):
+                    experts: str = "gather", progress: bool = False, stacked_experts: bool = False):
     """Yield ``(hf_name, tensor)`` for every weight of ``model`` (this pipeline stage's share).
 
     vocab_size: the HF vocabulary (Megatron's padded rows are dropped); default the model's.
     dtype: cast floating tensors (default: keep the parameter dtype).
     experts: "gather" (every rank yields all experts) or "local" (each EP rank yields only the
         experts it holds, for per-rank pushes to the rollout engine; no EP collective).
+    stacked_experts: yield each layer's routed experts as one ``plan.ExpertsLayer`` (Megatron's fused
+        ``[gate; up]`` fc1 and fc2 of every expert, in expert order; the parameters themselves when
+        nothing is gathered) instead of 3 HF tensors per expert: the refit's layer-level stream, which
+        ``plan.quantize_scale_groups`` / ``RolloutModel.load_groups`` take whole. A layer's gathered
+        experts are held until the layer is complete (one layer at a time).
     """
     if experts not in ("gather", "local"):
         raise ValueError(f"experts={experts!r}: expected 'gather' or 'local'")
+    stream = _iter_hf_weights(model, vocab_size, dtype, experts, progress)
+    yield from (_stack_layers(stream) if stacked_experts else _per_expert(stream, hf_dims_of(model, vocab_size)))
+
+
+def _stack_layers(stream):
+    """(name, tensor, expert info) -> the same stream with each layer's experts as one ExpertsLayer."""
+    from quads_megatron.plan.expert_layers import ExpertsLayer
+
+    pending, layer = {}, None   # expert -> {"fc1": t, "fc2": t}
+
+    def flush():
+        order = sorted(pending)
+        missing = [e for e in order if set(pending[e]) != {"fc1", "fc2"}]
+        if missing:
+            raise ValueError(f"iter_hf_weights: layer {layer} experts {missing[:4]} came without both fc1 and fc2")
+        item = ExpertsLayer(layer, [pending[e]["fc1"] for e in order], [pending[e]["fc2"] for e in order], order)
+        pending.clear()
+        return item
+
+    for name, t, info in stream:
+        if info is None:
+            if pending and _layer_of(name) != layer:
+                yield flush()
+            yield name, t
+            continue
+        lay, expert, which, _ = info
+        if pending and lay != layer:
+            yield flush()
+        layer = lay
+        pending.setdefault(expert, {})[which] = t
+    if pending:
+        yield flush()
+
+
+def _layer_of(name: str):
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+
+
+def _iter_hf_weights(model, vocab_size, dtype, experts, progress):
+    """(hf name, tensor, None) of dense weights; (None, Megatron fc1 or fc2 of one expert, (layer, expert,
+    "fc1" | "fc2", rule)) of experts, gathered over (expert-)TP and, with experts="gather", EP."""
     dims = hf_dims_of(model, vocab_size)
     info = parallel_info()
     tp_group, etp_group, ep_group = _groups()
@@ -63,7 +111,7 @@ def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype 
         if not rule.expert:
             full = qwen3_moe.unshard(rule, _all_gather(ref.param, tp_group, info["tp_size"]))
             for name, t in zip(qwen3_moe.hf_names(rule, ref.layer), qwen3_moe.to_hf(rule, full, dims)):
-                yield name, _cast(t, dtype)
+                yield name, _cast(t, dtype), None
             continue
         full = qwen3_moe.unshard(rule, _all_gather(ref.param, etp_group, info["etp_size"]))
         if experts == "gather":
@@ -72,9 +120,19 @@ def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype 
             owned = [(r * num_local + local_idx, t) for r, t in enumerate(per_rank)]
         else:
             owned = [(ref.expert, full)]
+        which = "fc1" if rule.layout == "gate_up" else "fc2"
         for expert, t_full in owned:
-            names = qwen3_moe.hf_names(rule, ref.layer, expert)
-            yield from zip(names, (_cast(t, dtype) for t in qwen3_moe.to_hf(rule, t_full, dims)))
+            yield None, _cast(t_full, dtype), (ref.layer, expert, which, rule)
+
+
+def _per_expert(stream, dims):
+    """The HF per-expert stream: every expert tensor split into its HF names (gate / up / down)."""
+    for name, t, info in stream:
+        if info is None:
+            yield name, t
+            continue
+        layer, expert, _, rule = info
+        yield from zip(qwen3_moe.hf_names(rule, layer, expert), qwen3_moe.to_hf(rule, t, dims))
 
 
 def _cast(t: torch.Tensor, dtype):

@@ -20,6 +20,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.errors import NonFiniteError
+from quads_megatron.plan.expert_layers import ExpertsLayer, QuantizedExperts, quantize_experts_layer
 from quads_megatron.plan.layout import NVFP4_WEIGHT_KEYS, modelopt_names
 from quads_megatron.plan.quant_plan import QuantPlan
 
@@ -73,10 +74,29 @@ def _layer_of(name: str) -> Optional[int]:
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
 
 
-def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
-                          destination: Optional[Destination] = None, check_finite: bool = True
-                          ) -> Iterator[Tuple[List[str], List[torch.Tensor], list]]:
+class _LayerScales:
+    """The global scales of one ``QuantizedExperts`` and the weight names they belong to (the finite check)."""
+
+    def __init__(self, q: QuantizedExperts):
+        self.scales = torch.cat([q.fc1.global_scale.reshape(-1), q.fc2.global_scale.reshape(-1)])
+        self.names = q.source.names(["gate_proj"]) + q.source.names(["down_proj"])
+
+
+def _layer_fast_path(item: ExpertsLayer, plan: QuantPlan) -> bool:
+    """True when the plan quantizes the layer's experts to NVFP4 with 1x16 blocks (the grouped kernels' case)."""
+    e = item.experts[0] if item.experts else 0
+    plans = [plan[f"{item.prefix}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")]
+    return all(t is not None and t.quantized and tuple(t.block_shape) == (1, 16) for t in plans)
+
+
+def quantize_scale_groups(named_tensors: Iterable, plan: QuantPlan, *,
+                          destination: Optional[Destination] = None, check_finite: bool = True) -> Iterator:
     """Yield ``(names, tensors, NVFP4Tensors or None)`` for every scale group of the stream.
+
+    The stream may also carry ``ExpertsLayer`` items (a layer's experts in one piece, ``iter_hf_weights(
+    ..., stacked_experts=True)``): each comes out as one ``QuantizedExperts`` (two grouped launches, into
+    ``destination``'s buffers when it gives them) where the plan quantizes those experts to 1x16 NVFP4,
+    else as its per-expert items.
 
     ``None`` marks tensors the rollout keeps in high precision (one name per such entry). Routed
     experts (1x16 blocks) are collected per layer and projection and quantized in one grouped launch
@@ -95,7 +115,19 @@ def quantize_scale_groups(named_tensors: Iterable[Named], plan: QuantPlan, *,
             done.append(b)
         batches.clear()
 
-    for name, tensor in named_tensors:
+    for entry in named_tensors:
+        if isinstance(entry, ExpertsLayer):
+            yield from flush()
+            if _layer_fast_path(entry, plan):
+                q = quantize_experts_layer(entry, destination)
+                done.append(_LayerScales(q))
+                yield q
+                continue
+            # another precision / block shape: the per-expert path (a layer boundary on both sides)
+            yield from quantize_scale_groups(entry.hf_items(), plan, destination=destination,
+                                             check_finite=check_finite)
+            continue
+        name, tensor = entry
         if batches and _layer_of(name) != batch_layer:
             yield from flush()
         t = plan[name]
@@ -139,17 +171,34 @@ def _check_scales(batches) -> None:
                              f"NVFP4 can only encode finite values")
 
 
-def quantize_named_params(named_tensors: Iterable[Named], plan: QuantPlan) -> Iterator[Named]:
-    """Yield the rollout's ``(name, tensor)``: NVFP4 triples where the plan says so, the rest as given."""
+def quantize_named_params(named_tensors: Iterable, plan: QuantPlan) -> Iterator[Named]:
+    """Yield the rollout's ``(name, tensor)``: NVFP4 triples where the plan says so, the rest as given
+    (``ExpertsLayer`` items of the stream come out under their per-expert names)."""
     for item in quantize_scale_groups(named_tensors, plan):
-        yield from rollout_items(*item)
+        yield from rollout_items(item)
 
 
-def rollout_items(names, tensors, quantized) -> Iterator[Named]:
-    """One ``quantize_scale_groups`` item as the rollout's ``(name, tensor)`` pairs (ModelOpt NVFP4 triples)."""
-    if quantized is None:
+def flat_named(stream: Iterable) -> Iterator[Named]:
+    """A weight stream with its ``ExpertsLayer`` items spelled out as per-expert HF ``(name, tensor)`` views."""
+    for entry in stream:
+        if isinstance(entry, ExpertsLayer):
+            yield from entry.hf_items()
+        else:
+            yield entry
+
+
+def rollout_items(item, quantized: bool = True) -> Iterator[Named]:
+    """One ``quantize_scale_groups`` item as the rollout's ``(name, tensor)`` pairs (ModelOpt NVFP4 triples).
+
+    quantized=False: the item's high-precision tensors under their HF names instead (a BF16 sync)."""
+    if isinstance(item, QuantizedExperts):
+        yield from (item.rollout_items() if quantized else item.source.hf_items())
+        return
+    names, tensors, quantized_tensors = item
+    if quantized_tensors is None or not quantized:
         yield from zip(names, tensors)
         return
+    quantized = quantized_tensors
     for name, q in zip(names, quantized):
         triple = q.to_modelopt()
         for out_name, key in zip(modelopt_names(name), NVFP4_WEIGHT_KEYS):

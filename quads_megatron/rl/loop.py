@@ -217,7 +217,8 @@ class GRPOTrainer:
         if sglang and calibrate:
             weights = self._sglang_weights_with_calibration()
         else:
-            weights = self.policy.hf_weights(quantized=sglang and self.engine.sends_nvfp4)
+            # the layer stream: the local engine loads it whole; an SGLang sync receives per-expert views of it
+            weights = self.policy.hf_weights(quantized=sglang and self.engine.sends_nvfp4, stacked_experts=True)
         if sglang and not _rank0():
             for _ in weights:
                 pass
@@ -236,7 +237,7 @@ class GRPOTrainer:
         from quads_megatron.rollout import CALIBRATION_DTYPE, RolloutModel
 
         if not _rank0():
-            return self.policy.hf_weights()
+            return self.policy.hf_weights(stacked_experts=True)
         if self._calibration_model is None:
             from quads_megatron.device import resolve_device
 
@@ -245,8 +246,8 @@ class GRPOTrainer:
         model, nvfp4 = self._calibration_model, self.engine.sends_nvfp4
 
         def stream():
-            for names, tensors, quantized in model.load_groups(self.policy.hf_weights()):
-                yield from rollout_items(names, tensors, quantized if nvfp4 else None)
+            for item in model.load_groups(self.policy.hf_weights(stacked_experts=True)):
+                yield from rollout_items(item, quantized=nvfp4)
             model.calibrate(self.calibration_prompts())
             yield from model.activation_tensors()
         return stream()

@@ -208,15 +208,18 @@ class MegatronPolicy:
         return float((dense_sharded + dense_repl + expert).sqrt())
 
     # ------------------------------------------------------------------ weights
-    def hf_weights(self, quantized: bool = False):
+    def hf_weights(self, quantized: bool = False, stacked_experts: bool = False):
         """(HF name, tensor) pairs of the full model, gathered over TP/EP (the converter's in-memory path).
 
         quantized: the plan's NVFP4 weights come out as ModelOpt triples (what an SGLang quads server loads).
+        stacked_experts: each layer's routed experts as one ``plan.ExpertsLayer`` item (the refit's layer
+        stream, quantized in two grouped launches per layer); with quantized, they still come out per expert
+        (views of the layer's NVFP4 tensors).
         """
         from quads_megatron.convert import iter_hf_weights
         from quads_megatron.plan import quantize_named_params
 
-        named = iter_hf_weights(self.model, vocab_size=self.vocab_size)
+        named = iter_hf_weights(self.model, vocab_size=self.vocab_size, stacked_experts=stacked_experts)
         return quantize_named_params(named, self.plan) if quantized else named
 
     def load_hf_checkpoint(self) -> None:

@@ -16,12 +16,17 @@ from tqdm import tqdm
 
 from quads_megatron.plan import QuantPlan, quantize_scale_groups
 from quads_megatron.plan.calibration import Calibration, Calibrator
+from quads_megatron.plan.expert_layers import QuantizedExperts
 from quads_megatron.plan.layout import EXPERT_FC1, RolloutLayout
 from quads_megatron.rollout.modules import (_ErrorMeter, apply_calibration, attach_calibrator, detach_calibrator,
                                             error_report, group_weights, install_nvfp4_modules, load_quantized)
 
 CALIBRATION_DTYPE = torch.float32
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _stacked(mats) -> torch.Tensor:
+    return mats if isinstance(mats, torch.Tensor) else torch.stack(list(mats))
 
 
 def _materialize(model, device) -> None:
@@ -78,8 +83,9 @@ class RolloutModel:
         return self.rac_rebound
 
     def load_groups(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False):
-        """``load_weights`` as a stream: yields each ``quantize_scale_groups`` item ``(names, tensors,
-        quantized)`` once it is in place, so a caller that forwards the weights (the SGLang sync) reuses the
+        """``load_weights`` as a stream: yields each ``quantize_scale_groups`` item (``(names, tensors,
+        quantized)``, or a layer's ``QuantizedExperts`` for an ``ExpertsLayer`` input) once it is in place,
+        so a caller that forwards the weights (the SGLang sync) reuses the
         NVFP4 tensors built here instead of quantizing twice or holding the whole stream. Exhaust it: the
         tied embeddings and RAC columns (``rac_rebound``) are settled after the last item."""
         params = dict(self.model.named_parameters())
@@ -94,7 +100,13 @@ class RolloutModel:
             m = self.modules.get(f"model.layers.{layer}.mlp.experts")
             return m.grouped_buffers(role, experts) if hasattr(m, "grouped_buffers") else None
 
-        for names, tensors, quantized in quantize_scale_groups(named_tensors, self.plan, destination=destination):
+        for item in quantize_scale_groups(named_tensors, self.plan, destination=destination):
+            if isinstance(item, QuantizedExperts):  # a whole layer's experts, normally already in the buffers
+                self._load_experts_layer(item, buffers, measure_error)
+                seen.add(item.source.prefix)
+                yield item
+                continue
+            names, tensors, quantized = item
             for i, (name, t) in enumerate(zip(names, tensors)):
                 if quantized is not None and quantized[i].data.untyped_storage().data_ptr() in buffers:
                     if measure_error:
@@ -108,12 +120,24 @@ class RolloutModel:
                                          f"expects {tuple(dst.shape)}")
                     dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
                 seen.add(name)
-            yield names, tensors, quantized
+            yield item
         if not seen:
             raise ValueError("weight sync: no tensors received")
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.rac_rebound = self.refresh_rac_columns()
+
+    def _load_experts_layer(self, q: QuantizedExperts, buffers: set, measure_error: bool) -> None:
+        """Copy a layer's quantized experts into its module unless the kernel wrote them there; meter the error."""
+        m = self.modules.get(q.source.prefix)
+        if m is None or not hasattr(m, "load_layer"):
+            raise KeyError(f"weight sync: {q.source.prefix} experts are NVFP4 in the plan but the rollout model has "
+                           f"no NVFP4 experts module for them")
+        if q.fc1.data.untyped_storage().data_ptr() not in buffers:
+            m.load_layer(q.source.experts, q.fc1.to(self.device), q.fc2.to(self.device))
+        if measure_error:
+            m.meter.add(_stacked(q.source.fc1), q.fc1)
+            m.meter.add(_stacked(q.source.fc2), q.fc2)
 
     def _destination(self, params: dict, name: str) -> torch.Tensor:
         """The HF model parameter (or the slice of a fused expert parameter) that ``name`` fills."""

@@ -178,6 +178,17 @@ class NVFP4Experts(_QuantExperts):
         self.w13_scale[expert, rows].copy_(t["weight_scale"])
         self.w13_scale_2[expert].copy_(t["weight_scale_2"].reshape(()))  # gate and up share it
 
+    @torch.no_grad()
+    def load_layer(self, experts: list, fc1: nvfp4.NVFP4Tensor, fc2: nvfp4.NVFP4Tensor) -> None:
+        """Write stacked NVFP4 experts (fc1 [E', 2F, H], fc2 [E', H, F] of expert indices ``experts``) in place."""
+        idx = torch.as_tensor(experts, dtype=torch.long, device=self.w13.device)
+        for which, q in (("w13", fc1), ("w2", fc2)):
+            for suffix, t in (("", q.data), ("_scale", q.scale.view(torch.uint8)),
+                              ("_scale_2", q.global_scale.reshape(-1))):
+                buf = getattr(self, which + suffix)
+                buf = buf.view(torch.uint8) if suffix == "_scale" else buf
+                buf.index_copy_(0, idx, t.contiguous())
+
     def grouped_buffers(self, role: tuple, experts: list):
         """(data, scale, S_dec) views that ``nvfp4.quantize_grouped`` fills for all experts in place:
         w13 as [2E, F, H/2] for role (gate_proj, up_proj), w2 for (down_proj,); None for a partial set."""

@@ -6,6 +6,7 @@ argv: HF_DIR TP1_MEGATRON_DIR OUT_DIR.  Writes under OUT_DIR:
   hf_tp1_in_tp2ep2/    the TP=1 checkpoint -> HF, loaded in TP=2 / EP=2
   logits_tp2ep2.pt     fp32 Megatron logits (TP=2 / EP=2) of the fixed ids
   live_nvfp4.pt        quantize_named_params(iter_hf_weights(...), default plan) from the TP=2 / EP=2 model (rank 0)
+  live_nvfp4_stacked.pt     the same from iter_hf_weights(..., stacked_experts=True) (the layer stream)
   plan_mismatches.pt   {recipe: per rank, plan_bytes.plan_mismatches} for every plan_bytes.RECIPES entry
   local_expert_names.pt     per rank: expert tensor names iter_hf_weights(experts="local") yields
   fake_quant_mismatches.pt  per rank: expert weights where apply_quads' fake quant != the synced NVFP4
@@ -51,6 +52,11 @@ def main():
     for name, t in quantize_named_params(iter_hf_weights(model, vocab_size=config["vocab_size"]), plan):
         if ".experts." in name:
             live[name] = t.clone()
+    stacked = {}   # the refit's layer stream (experts gathered over EP into one item per layer)
+    for name, t in quantize_named_params(iter_hf_weights(model, vocab_size=config["vocab_size"], stacked_experts=True),
+                                         plan):
+        if ".experts." in name:
+            stacked[name] = t.clone()
     local = [None] * dist.get_world_size()   # experts="local": each EP rank sends only its own experts
     dist.all_gather_object(local, sorted(n for n, _ in iter_hf_weights(model, experts="local") if ".experts." in n))
     mismatches = {}
@@ -66,6 +72,7 @@ def main():
         torch.save(local, f"{out}/local_expert_names.pt")
         torch.save(logits, f"{out}/logits_tp2ep2.pt")
         torch.save(live, f"{out}/live_nvfp4.pt")
+        torch.save(stacked, f"{out}/live_nvfp4_stacked.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -82,6 +82,36 @@ def test_synced_nvfp4_weights_are_the_trainers_fake_quantized_weights(tiny_hf, t
     assert plan_mismatches(model, QuadsRecipe(), tiny_hf, tmp_path, config["vocab_size"]) == []
 
 
+def test_stacked_expert_stream_is_the_per_expert_stream(tiny_hf, tp1_megatron):
+    """iter_hf_weights(stacked_experts=True): each layer's experts as one item holding the parameters themselves
+    (no copy); spelled out per expert it is the HF stream, and its NVFP4 the per-expert stream's bytes."""
+    from quads_megatron.convert.live import iter_hf_weights
+    from quads_megatron.convert.megatron_checkpoint import build_model_from_hf_config, load_megatron_checkpoint
+    from quads_megatron.plan import ExpertsLayer
+    from quads_megatron.plan.named_params import flat_named
+
+    config = HFCheckpoint(tiny_hf).config
+    model = build_model_from_hf_config(config, params_dtype=torch.bfloat16)
+    load_megatron_checkpoint(model, tp1_megatron)
+    vocab = config["vocab_size"]
+    stacked = list(iter_hf_weights(model, vocab_size=vocab, stacked_experts=True))
+    layers = [x for x in stacked if isinstance(x, ExpertsLayer)]
+    assert [x.layer for x in layers] == list(range(config["num_hidden_layers"]))
+    params = {p.data_ptr() for p in model.parameters()}
+    assert all(t.data_ptr() in params for x in layers for t in (*x.fc1, *x.fc2))
+    per_expert = list(iter_hf_weights(model, vocab_size=vocab))
+    flat = list(flat_named(stacked))
+    assert sorted(n for n, _ in flat) == sorted(n for n, _ in per_expert)
+    want = dict(per_expert)
+    assert all(torch.equal(t, want[n]) for n, t in flat)
+    plan = QuantPlan.resolve(QuadsRecipe(), qwen3_moe.dims_from_hf_config(config))
+    got = dict(quantize_named_params(stacked, plan))
+    expected = dict(quantize_named_params(per_expert, plan))
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and torch.equal(_bits(got[name]), _bits(t)), name
+
+
 def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     """One torchrun launch: write with TP=2/EP=2, read it back there and at TP=1, read TP=1 there."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -113,9 +143,11 @@ def test_tp2_ep2_gloo_layout(tiny_hf, tp1_megatron, tmp_path):
     with HFCheckpoint(tiny_hf) as ckpt:
         expected = {n: t for n, t in quantize_named_params(((n, ckpt.get(n).float()) for n in ckpt.keys()), plan)
                     if ".experts." in n}
-    assert live.keys() == expected.keys()
-    for name, t in expected.items():
-        assert live[name].dtype == t.dtype and torch.equal(_bits(live[name]), _bits(t)), name
+    stacked = torch.load(tmp_path / "live_nvfp4_stacked.pt")   # the layer stream, experts gathered over EP
+    for got in (live, stacked):
+        assert got.keys() == expected.keys()
+        for name, t in expected.items():
+            assert got[name].dtype == t.dtype and torch.equal(_bits(got[name]), _bits(t)), name
 
 
 def _bits(t):

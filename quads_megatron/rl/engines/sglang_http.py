@@ -158,8 +158,11 @@ class SGLangEngine(RolloutEngine):
         return self.weight_sync != "tensor-bf16"
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> None:
-        """measure_error: ignored (the weight error is the trainer's export error, measured there)."""
-        named = [(k, v.detach().contiguous()) for k, v in named_tensors]
+        """measure_error: ignored (the weight error is the trainer's export error, measured there). A layer's
+        ``ExpertsLayer`` item (BF16 sync of the layer stream) goes out under its per-expert HF names."""
+        from quads_megatron.plan.named_params import flat_named
+
+        named = [(k, v.detach().contiguous()) for k, v in flat_named(named_tensors)]
         for u in self.urls:
             self._post(u, "/begin_weight_update", {})
         try:
