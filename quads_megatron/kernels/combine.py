@@ -17,23 +17,25 @@ from quads_megatron.nvfp4.triton_kernels import bf16_round
 
 
 @triton.jit
-def _topk_sum_kernel(rows_ptr, out_ptr, H, TOPK: tl.constexpr, TOPK_POW: tl.constexpr,
-                     BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
+def _topk_sum_kernel(rows_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+                     OUT_BF16: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    j = tl.arange(0, TOPK_POW)
-    m = (j < TOPK)[:, None] & (cols < H)[None, :]
-    v = tl.load(rows_ptr + (t * TOPK + j)[:, None] * H + cols[None, :], mask=m, other=0.0)
-    s = tl.sum(v.to(tl.float32), axis=0)
+    cmask = cols < H
+    # left to right in row order: the fused dense linear sums its split-K partials the same way
+    s = tl.load(rows_ptr + t * TOPK * H + cols, mask=cmask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOPK):
+        s = s + tl.load(rows_ptr + (t * TOPK + j) * H + cols, mask=cmask, other=0.0).to(tl.float32)
     if OUT_BF16:
-        tl.store(out_ptr + t * H + cols, bf16_round(s).to(tl.uint16), mask=cols < H)
+        tl.store(out_ptr + t * H + cols, bf16_round(s).to(tl.uint16), mask=cmask)
     else:
-        tl.store(out_ptr + t * H + cols, s.to(out_ptr.dtype.element_ty), mask=cols < H)
+        tl.store(out_ptr + t * H + cols, s.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def topk_sum(rows: torch.Tensor, topk: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """rows [T * topk, H] (row t * topk + j: token t's slot j) -> [T, H] summed in fp32, rounded to
-    out's dtype (default rows.dtype). The split-K GEMM sums its fp32 partials with it too."""
+    """rows [T * topk, H] (row t * topk + j: token t's slot j) -> [T, H] summed in fp32 in slot
+    order, rounded to out's dtype (default rows.dtype). The split-K GEMM sums its fp32 partials
+    with it too."""
     if rows.ndim != 2 or not rows.is_contiguous() or rows.shape[0] % topk:
         raise ValueError(f"rows: expected a contiguous [T * {topk}, H] tensor, got {tuple(rows.shape)}")
     t, h = rows.shape[0] // topk, rows.shape[1]
@@ -46,6 +48,6 @@ def topk_sum(rows: torch.Tensor, topk: int, out: Optional[torch.Tensor] = None) 
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.uint16) if bf16 else out
     block_h = min(1024, triton.next_power_of_2(h))
-    _topk_sum_kernel[(t, triton.cdiv(h, block_h))](rows, dst, h, TOPK=topk, TOPK_POW=max(2, triton.next_power_of_2(topk)),
-                                                   BLOCK_H=block_h, OUT_BF16=bf16, num_warps=4)
+    _topk_sum_kernel[(t, triton.cdiv(h, block_h))](rows, dst, h, TOPK=topk, BLOCK_H=block_h,
+                                                   OUT_BF16=bf16, num_warps=4)
     return out

@@ -31,6 +31,7 @@ from ._checks import (check_act_mode, check_activation, check_comp, check_comp_w
 from .act_quant import quantize_activation_rac
 from .combine import topk_sum
 from .gemm import default_config, launch_gemm
+from .linear_fused import FUSED_MAX_M, w4a4_linear_fused
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
@@ -84,13 +85,19 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if act_mode == "w4a16":
         launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
     else:
-        qa = quantize_activation_rac(x2d, comp, input_scale)
-        r = cols = None
+        cols = None
         if comp is not None:
-            r = (qa.r_values, qa.r_s_dec)
             cols = (comp_weight if comp_weight is not None
-                    else rac_weight_columns(weight, weight_scale, comp)).unsqueeze(0)
-        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r, comp_weight=cols, bias=b)
+                    else rac_weight_columns(weight, weight_scale, comp))
+        if m <= FUSED_MAX_M:  # decode sizes: one launch, the activation quantized in the GEMM
+            w4a4_linear_fused(x2d, weight, weight_scale, weight_scale_2, out,
+                              comp_index=None if comp is None else comp.to(torch.int32).contiguous(),
+                              comp_weight=cols, input_scale=input_scale, bias=b)
+        else:
+            qa = quantize_activation_rac(x2d, comp, input_scale)
+            r = None if comp is None else (qa.r_values, qa.r_s_dec)
+            launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,
+                        comp_weight=None if cols is None else cols.unsqueeze(0), bias=b)
     return out.view(*x.shape[:-1], n)
 
 

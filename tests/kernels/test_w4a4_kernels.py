@@ -473,8 +473,9 @@ def _count_launches(monkeypatch):
     from quads_megatron.kernels import ops
 
     calls = []
-    real = ops.launch_gemm
-    monkeypatch.setattr(ops, "launch_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("launch_gemm", "w4a4_linear_fused"):  # the GEMM launches (two-launch or fused)
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
