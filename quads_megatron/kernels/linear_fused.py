@@ -26,7 +26,8 @@ from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
 from quads_megatron.nvfp4.triton_kernels import (bf16_round, block_scales, e2m1_round,
                                                  global_scales)
 
-from .gemm import GemmConfig, _mma, _num_sms, _words, decode_words_f16, dense_config, interpreting
+from .gemm import (GemmConfig, _block_k, _mma, _num_sms, _words, decode_words_f16, dense_split_k,
+                   interpreting)
 
 __all__ = ["FUSED_MAX_M", "fused_config", "w4a4_linear_fused", "nvfp4_values_f16"]
 
@@ -55,13 +56,15 @@ def nvfp4_values_f16(x, s_enc, s_dec, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _row_amax(x_ptr, a_rows, stride_xm, K, BLOCK_M: tl.constexpr, AMAX_K: tl.constexpr):
-    """max |x[row, :]| over all of K, per row of the tile (fp32)."""
+def _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M: tl.constexpr, AMAX_K: tl.constexpr,
+              AMAX_STAGES: tl.constexpr):
+    """max |x[row, :]| over all of K, per row of the tile (fp32; 0 on pad rows, which read nothing)."""
     amax = tl.zeros((BLOCK_M,), tl.float32)
     base = x_ptr + a_rows[:, None] * stride_xm
-    for k0 in range(0, K, AMAX_K):
+    for k0 in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
         cols = k0 + tl.arange(0, AMAX_K)
-        v = tl.load(base + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(base + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :],
+                    other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     return amax
 
@@ -77,21 +80,22 @@ def _mul_rn(a, b, NO_CONTRACT: tl.constexpr):
 
 
 @triton.jit
-def _residual(x_ptr, a_rows, stride_xm, comp_ptr, j0, KR, s_enc, s_dec, BLOCK_M: tl.constexpr,
+def _residual(x_ptr, a_rows, row_mask, stride_xm, comp_ptr, j0, KR, s_enc, s_dec, BLOCK_M: tl.constexpr,
               BLOCK_KR: tl.constexpr, NO_CONTRACT: tl.constexpr):
     """RAC residual r = x[:, S] - dq(q(x))[:, S] on channels S[j0 : j0 + BLOCK_KR] (0 past KR):
     each channel's NVFP4 block (its 16 neighbours' amax) is re-derived here, as `act_quant`
-    reads it back from the codes it stored. Loads past KR are masked off (no traffic)."""
+    reads it back from the codes it stored. Loads past KR and on pad rows are masked off."""
     j = j0 + tl.arange(0, BLOCK_KR)
     jmask = (j < KR)[None, :]
+    lmask = row_mask[:, None] & jmask
     idx = tl.load(comp_ptr + j, mask=j < KR, other=0)
     base = x_ptr + a_rows[:, None] * stride_xm
     first = (idx // 16 * 16)[None, :]
     vmax = tl.zeros((BLOCK_M, BLOCK_KR), tl.float32)
     for t in tl.static_range(16):
-        nb = tl.load(base + first + t, mask=jmask, other=0.0).to(tl.float32)
+        nb = tl.load(base + first + t, mask=lmask, other=0.0).to(tl.float32)
         vmax = tl.maximum(vmax, tl.abs(nb))
-    xv = tl.load(base + idx[None, :], mask=jmask, other=0.0).to(tl.float32)
+    xv = tl.load(base + idx[None, :], mask=lmask, other=0.0).to(tl.float32)
     _, sf_val, enc = block_scales(vmax, s_enc[:, None], s_dec[:, None])
     xq = _mul_rn(_signed_e2m1(tl.minimum(tl.maximum(xv * enc, -6.0), 6.0)) * sf_val,
                  s_dec[:, None], NO_CONTRACT)
@@ -111,6 +115,7 @@ def _fused_linear_kernel(
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
         OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr, AMAX_K: tl.constexpr,
+        AMAX_STAGES: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C = q(X) Wq^T (+ q(R) Wq[:, S]^T) (+ bias) from the float X; the dense branch of
     `gemm._w4a4_gemm_kernel` with its A tile quantized here. SPLIT_K > 1: program axis 1 takes
@@ -133,7 +138,7 @@ def _fused_linear_kernel(
 
     c_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = c_rows < M
-    a_rows = tl.where(row_mask, c_rows, 0).to(tl.int64)  # pad rows read row 0, never stored
+    a_rows = tl.where(row_mask, c_rows, 0).to(tl.int64)  # pad rows: loads masked, never stored
     c_rows = c_rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -142,7 +147,7 @@ def _fused_linear_kernel(
     if STATIC:
         amax = tl.zeros((BLOCK_M,), tl.float32) + tl.load(amax_ptr)
     else:
-        amax = _row_amax(x_ptr, a_rows, stride_xm, K, BLOCK_M, AMAX_K)
+        amax = _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M, AMAX_K, AMAX_STAGES)
     s_enc, sdec = global_scales(amax)
 
     offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -160,14 +165,14 @@ def _fused_linear_kernel(
         if EVEN_K:
             ww = tl.load(w_ptrs)
             wsb = tl.load(s_ptrs)
-            xa = tl.load(x_ptrs)
+            xa = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         else:
             kw = (k0 // 8 + tl.arange(0, BLOCK_K // 8)) < K // 8
             ks = (k0 // 16 + tl.arange(0, BLOCK_K // 16)) < K // 16
             ka = (k0 + tl.arange(0, BLOCK_K)) < K
             ww = tl.load(w_ptrs, mask=kw[None, :], other=0)
             wsb = tl.load(s_ptrs, mask=ks[None, :], other=0)
-            xa = tl.load(x_ptrs, mask=ka[None, :], other=0.0)
+            xa = tl.load(x_ptrs, mask=row_mask[:, None] & ka[None, :], other=0.0)
         w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 16
         x_ptrs += BLOCK_K
@@ -182,13 +187,13 @@ def _fused_linear_kernel(
         if SPLIT_K > 1:
             kr_run = tl.where(pid_k == 0, KR, 0)
         if RES_ONE_STEP:  # k <= BLOCK_KR: one residual tile, built once (all-masked in splits > 0)
-            r_one = _residual(x_ptr, a_rows, stride_xm, comp_ptr, 0, kr_run, s_enc, sdec,
+            r_one = _residual(x_ptr, a_rows, row_mask, stride_xm, comp_ptr, 0, kr_run, s_enc, sdec,
                               BLOCK_M, BLOCK_KR, NO_CONTRACT)
             ramax = tl.max(tl.abs(r_one), axis=1)
         else:
             ramax = tl.zeros((BLOCK_M,), tl.float32)
             for j0 in tl.range(0, kr_run, BLOCK_KR, num_stages=1):
-                r = _residual(x_ptr, a_rows, stride_xm, comp_ptr, j0, KR, s_enc, sdec,
+                r = _residual(x_ptr, a_rows, row_mask, stride_xm, comp_ptr, j0, KR, s_enc, sdec,
                               BLOCK_M, BLOCK_KR, NO_CONTRACT)
                 ramax = tl.maximum(ramax, tl.max(tl.abs(r), axis=1))
         r_enc, rdec = global_scales(ramax)
@@ -209,7 +214,7 @@ def _fused_linear_kernel(
             if RES_ONE_STEP:
                 r = r_one
             else:
-                r = _residual(x_ptr, a_rows, stride_xm, comp_ptr, j0, KR, s_enc, sdec,
+                r = _residual(x_ptr, a_rows, row_mask, stride_xm, comp_ptr, j0, KR, s_enc, sdec,
                               BLOCK_M, BLOCK_KR, NO_CONTRACT)
             rt = nvfp4_values_f16(r, r_enc, rdec, BLOCK_M, BLOCK_KR)
             acc = _mma(acc, rt, wg, SWAP_AB, DOT_F32)
@@ -247,9 +252,16 @@ def _fused_linear_kernel(
 
 
 def fused_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    """Tile and split-K of the fused launch: `gemm.dense_config`'s (tools/bench_w4a4_linear.py
-    --sweep times the alternatives)."""
-    return dense_config(m, n, k, num_sms)
+    """Tile and split-K of the fused launch; num_sms 0: no split. The decode tile is
+    `gemm.dense_config`'s; above 16 rows the 64 x 64 tile takes 8 warps (with 4, quantizing a
+    64 x 128 A tile per step spills on sm_90; 64 x 128 spills too). tools/bench_w4a4_linear.py --sweep times the others."""
+    bk = _block_k(k)
+    if m <= 16:
+        tile = GemmConfig(16, 64, bk, 4, 4, 8, True)
+    else:
+        tile = GemmConfig(64, 64, bk, 8, 3)
+    programs = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    return tile._replace(split_k=dense_split_k(programs, triton.cdiv(k, tile.block_k), num_sms))
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,7 +288,7 @@ def w4a4_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     caller, `ops.w4a4_linear`). weight [N, K//2] uint8, weight_scale [N, K//16] e4m3,
     weight_scale_2 fp32 [1]; RAC: comp_index int32 [k] and comp_weight fp16 [N, k]
     (`rac_weight_columns`); bias fp32 [N]; config: `fused_config` by default; amax_k: columns
-    per step of the row-amax sweep (default ~8K elements per step)."""
+    per step of the row-amax sweep (default 8K elements per step, 3 steps in flight)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
@@ -322,6 +334,6 @@ def w4a4_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         HAS_RES=kr > 0, RES_ONE_STEP=kr <= bkr, DOT_F32=interpreting(),
         NO_CONTRACT=not interpreting(), EVEN_K=k % bk == 0,
         EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, OUT_BF16=c.dtype == torch.uint16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KR=bkr, AMAX_K=amax_k,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KR=bkr, AMAX_K=amax_k, AMAX_STAGES=3,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
