@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
 from quads_megatron.nvfp4.triton_kernels import (bf16_round, block_scales, e2m1_round,
@@ -72,10 +71,12 @@ def _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M: tl.constexpr, AMAX
 @triton.jit
 def _mul_rn(a, b, NO_CONTRACT: tl.constexpr):
     """a * b rounded on its own: `x - a * b` must not become an FMA (act_quant runs without fp
-    fusion; this kernel keeps it on so its epilogue matches the GEMM's). The interpreter has no
-    libdevice and never fuses."""
+    fusion; this kernel keeps it on so that its epilogue compiles as the GEMM's does). PTX
+    `mul.rn` is never contracted (libdevice's mul_rn would flush subnormals here); the
+    interpreter never fuses."""
     if NO_CONTRACT:
-        return libdevice.mul_rn(a, b)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     return a * b
 
 
