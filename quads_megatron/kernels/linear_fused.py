@@ -253,16 +253,23 @@ def _fused_linear_kernel(
 
 
 def fused_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    """Tile and split-K of the fused launch; num_sms 0: no split. The decode tile is
-    `gemm.dense_config`'s; above 16 rows the 64 x 64 tile takes 8 warps (with 4, quantizing a
-    64 x 128 A tile per step spills on sm_90; 64 x 128 spills too). tools/bench_w4a4_linear.py --sweep times the others."""
+    """Tile and split-K of the fused launch; num_sms 0: no split. At <= 16 rows `gemm.dense_config`'s
+    decode tile and split. Above, the 64 x 64 tile takes 8 warps (with 4, quantizing a 64 x 128 A
+    tile per step spills on sm_90; 64 x 128 spills too), which leaves one program per SM: K is split
+    for one wave only, since every split re-reads its rows for the amax. tools/bench_w4a4_linear.py
+    --sweep times the alternatives."""
     bk = _block_k(k)
+    k_steps = triton.cdiv(k, bk)
     if m <= 16:
         tile = GemmConfig(16, 64, bk, 4, 4, 8, True)
-    else:
-        tile = GemmConfig(64, 64, bk, 8, 3)
+        programs = triton.cdiv(n, tile.block_n)
+        return tile._replace(split_k=dense_split_k(programs, k_steps, num_sms))
+    tile = GemmConfig(64, 64, bk, 8, 3)
     programs = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
-    return tile._replace(split_k=dense_split_k(programs, triton.cdiv(k, tile.block_k), num_sms))
+    split = 1
+    while programs * split * 2 <= num_sms * 5 // 4 and k_steps // (2 * split) >= 4 and split < 8:
+        split *= 2
+    return tile._replace(split_k=split)
 
 
 @functools.lru_cache(maxsize=None)

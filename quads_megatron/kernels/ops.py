@@ -12,7 +12,9 @@ Dispatch, once per call, by `quads_megatron.nvfp4.resolve_backend(x.device, back
 the torch reference (`reference.py`, the same function); "triton" runs the Triton kernels (on
 CPU tensors in Triton's interpreter, TRITON_INTERPRET=1, as in the kernel tests); on SM100+
 with FlashInfer installed the dense W4A4 linear takes the native FP4 path (`blackwell.py`).
-`check_inputs=False` skips the value checks that sync the host (comp_index range and order,
+The dense W4A4 linear runs in one launch up to `linear_fused.FUSED_MAX_M` rows (the activation
+quantized inside the GEMM, split-K summed in the kernel; bit-identical to the two-launch form),
+above it as the act_quant pre-pass + GEMM. `check_inputs=False` skips the value checks that sync the host (comp_index range and order,
 expert ids); shape and dtype checks always run, and value checks are skipped automatically
 while a CUDA graph is being captured.
 """

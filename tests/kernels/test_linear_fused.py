@@ -155,6 +155,20 @@ def test_dispatch_by_m_cpu(monkeypatch):
     assert calls == [1]
 
 
+def test_fused_config_tiles_and_splits():
+    """<= 16 rows: the two-launch decode tile and split; above: the 8-warp 64 x 64 tile, K split for
+    about one wave of one program per SM (132 SMs), never below 4 K-steps per split."""
+    from quads_megatron.kernels.gemm import dense_config
+
+    assert fused_config(16, 5120, 2048, 132) == dense_config(16, 5120, 2048, 132)
+    assert fused_config(1, 2048, 4096, 132).split_k == 8
+    big = fused_config(64, 2048, 4096, 132)   # 32 tiles: 128 programs
+    assert (big.block_m, big.block_n, big.num_warps, big.split_k) == (64, 64, 8, 4)
+    assert fused_config(64, 5120, 2048, 132).split_k == 2   # 80 tiles: 160 programs
+    assert fused_config(64, 2048, 512, 132).split_k == 1    # 4 K-steps: no split
+    assert fused_config(64, 2048, 4096, 0).split_k == 1
+
+
 def test_topk_sum_adds_left_to_right():
     """The split-K sum (and the MoE top-k sum) adds the rows in order in fp32, as the fused kernel's
     last split does: equal to torch's sequential fp32 sum, rounded once."""
