@@ -19,7 +19,8 @@ from quads_megatron.plan.calibration import Calibration, Calibrator
 from quads_megatron.plan.expert_layers import QuantizedExperts
 from quads_megatron.plan.layout import EXPERT_FC1, RolloutLayout
 from quads_megatron.rollout.modules import (_ErrorMeter, apply_calibration, attach_calibrator, detach_calibrator,
-                                            error_report, group_weights, install_nvfp4_modules, load_quantized)
+                                            error_report, graph_safe, group_weights, install_nvfp4_modules,
+                                            load_quantized)
 
 CALIBRATION_DTYPE = torch.float32
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -68,6 +69,14 @@ class RolloutModel:
         self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype)
         _materialize(self.model, self.device)
         self.calibration: Calibration | None = None  # the last calibrate()'s result
+
+    @property
+    def graph_safe(self) -> bool:
+        """True when a forward has no host syncs, so a CUDA graph can capture the decode step: every NVFP4
+        module is sync-free, and transformers' own experts (units the plan keeps BF16) run in bf16, the one
+        dtype whose grouped_mm is sync-free on the GPU (others fall back to a host-synchronising path)."""
+        hf_experts = [n for n, _ in self.model.named_modules() if n.endswith("mlp.experts") and n not in self.modules]
+        return all(graph_safe(m) for m in self.modules.values()) and (not hf_experts or self.dtype == torch.bfloat16)
         self._twin: RolloutModel | None = None
 
     # ------------------------------------------------------------------ weights

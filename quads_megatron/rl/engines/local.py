@@ -40,7 +40,7 @@ class LocalEngine(RolloutEngine):
                  pad_token_id: int = 0, device: torch.device | str | None = None):
         """plan: the run's QuantPlan (which layers are NVFP4 and how; the trainer's and exporter's plan)."""
         from quads_megatron.device import resolve_device
-        from quads_megatron.rollout import RolloutModel, RoutedExpertsRecorder, graph_safe
+        from quads_megatron.rollout import RolloutModel, RoutedExpertsRecorder
 
         self.plan = plan
         self.precision = plan.rollout_precision
@@ -54,8 +54,8 @@ class LocalEngine(RolloutEngine):
         self.nvfp4_modules = self.rollout.modules
         self.routes = RoutedExpertsRecorder(self.model)  # each sample's top-k expert ids (SGLang's layout)
         self._loaded = False
-        # The decode step is replayed from a CUDA graph when every replaced module is sync-free (not w16a4).
-        self.uses_cuda_graph = device.type == "cuda" and all(graph_safe(m) for m in self.nvfp4_modules.values())
+        # The decode step is replayed from a CUDA graph when the rollout model's forward is sync-free.
+        self.uses_cuda_graph = device.type == "cuda" and self.rollout.graph_safe
         # one per batch size; weights and calibrated channels are written in place, so captured graphs stay valid
         self._decoders: dict[int, StaticDecoder] = {}
 

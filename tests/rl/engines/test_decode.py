@@ -37,14 +37,14 @@ def _source_weights(seed: int = 0):
     return named
 
 
-def _engine(precision, seed: int = 0, device: str = "cpu"):
+def _engine(precision, seed: int = 0, device: str = "cpu", dtype=torch.float32):
     from quads_megatron.models import qwen3_moe
 
     cfg = _config()
     dims = qwen3_moe.dims_from_hf_config(cfg.to_dict())
     plan = QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision=precision,
                                          rac_channels=16 if precision == "w4a4_rac" else 0), dims)
-    eng = LocalEngine(cfg, plan, max_seq_len=40, device=device, dtype=torch.float32, pad_token_id=0)
+    eng = LocalEngine(cfg, plan, max_seq_len=40, device=device, dtype=dtype, pad_token_id=0)
     eng.update_weights([(k, v.to(device)) for k, v in _source_weights(seed)])
     if plan.rollout_precision.quantizes_activations:
         eng.calibrate([[1, 5, 7, 9, 11, 13], [2, 4, 6]])

@@ -43,12 +43,13 @@ def test_a_one_token_response_has_the_prompt_rows_only():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("precision", ["bf16", "w4a4_rac"])
-def test_cuda_graph_decode_records_what_eager_decode_records(precision):
+@pytest.mark.parametrize("precision,dtype,min_share", [("bf16", torch.bfloat16, 0.9), ("w4a4_rac", torch.float32, 0.98)])
+def test_cuda_graph_decode_records_what_eager_decode_records(precision, dtype, min_share):
     """The recorder's static buffer inside the captured decode graph is refilled on every replay: the graph
-    engine returns the eager engine's tokens and routes bit for bit, and both follow each fed token's router."""
-    graph = _engine(precision, device="cuda")
-    eager = _engine(precision, device="cuda")
+    engine returns the eager engine's tokens and routes bit for bit, and both follow each fed token's router
+    (a no-cache forward; in bf16 its rounding differs from the cached decode's, so near-ties may flip)."""
+    graph = _engine(precision, device="cuda", dtype=dtype)
+    eager = _engine(precision, device="cuda", dtype=dtype)
     eager.uses_cuda_graph = False
     assert graph.uses_cuda_graph
     prompts = [[3, 14, 15, 9, 26], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8]]
@@ -58,4 +59,15 @@ def test_cuda_graph_decode_records_what_eager_decode_records(precision):
         assert torch.equal(g.routed_experts, e.routed_experts)
         ref = _reference_routes(eager, p, e.response_ids).to(torch.int32).cpu()
         same = (g.routed_experts.sort(-1).values == ref.sort(-1).values).all(-1).float().mean().item()
-        assert same >= 0.98, f"{precision}: {same:.3f} of (token, layer) top-k sets follow the router"
+        assert same >= min_share, f"{precision}: {same:.3f} of (token, layer) top-k sets follow the router"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hf_experts_outside_bf16_decode_eagerly():
+    """transformers' experts in fp32 take grouped_mm's host-synchronising path, which a CUDA graph cannot
+    capture: the engine decodes them eagerly instead of failing at capture."""
+    eng = _engine("bf16", device="cuda", dtype=torch.float32)
+    assert not eng.uses_cuda_graph
+    (o,) = eng.generate([[3, 14, 15]], SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[]), seed=0)
+    assert len(o.response_ids) == 4 and o.routed_experts.shape[0] == 3 + 4 - 1
