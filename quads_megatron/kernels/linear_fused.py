@@ -56,8 +56,33 @@ def nvfp4_values_f16(x, s_enc, s_dec, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M: tl.constexpr, AMAX_K: tl.constexpr,
-              AMAX_STAGES: tl.constexpr):
-    """max |x[row, :]| over all of K, per row of the tile (fp32; 0 on pad rows, which read nothing)."""
+              AMAX_STAGES: tl.constexpr, AMAX_EVEN: tl.constexpr, BF16_WORDS: tl.constexpr,
+              PACKED_MAX: tl.constexpr):
+    """max |x[row, :]| over all of K, per row of the tile (fp32; 0 on pad rows, which read nothing).
+    BF16_WORDS: bf16 x read as int32 words of two; |bf16| bit patterns order as their values, so
+    the max runs on the integer bits (PACKED_MAX: one `max.u16x2` per word; else one max per half)
+    and the largest becomes the fp32 with the same bits in its high half (exact)."""
+    if BF16_WORDS:
+        xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        base = xw + a_rows[:, None] * (stride_xm // 2)
+        run = tl.zeros((BLOCK_M, AMAX_K // 2), tl.int32)
+        run_hi = tl.zeros((BLOCK_M, AMAX_K // 2), tl.int32)
+        for k0 in tl.range(0, K // 2, AMAX_K // 2, num_stages=AMAX_STAGES):
+            cols = k0 + tl.arange(0, AMAX_K // 2)
+            if AMAX_EVEN:
+                w = tl.load(base + cols[None, :], mask=row_mask[:, None], other=0)
+            else:
+                w = tl.load(base + cols[None, :],
+                            mask=row_mask[:, None] & (cols < K // 2)[None, :], other=0)
+            if PACKED_MAX:
+                run = tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r",
+                                                [run, w & 0x7FFF7FFF], dtype=tl.int32,
+                                                is_pure=True, pack=1)
+            else:
+                run = tl.maximum(run, w & 0x7FFF)
+                run_hi = tl.maximum(run_hi, (w >> 16) & 0x7FFF)
+        bits = tl.max(tl.maximum(run & 0x7FFF, tl.maximum((run >> 16) & 0x7FFF, run_hi)), axis=1)
+        return (bits << 16).to(tl.float32, bitcast=True)
     amax = tl.zeros((BLOCK_M,), tl.float32)
     base = x_ptr + a_rows[:, None] * stride_xm
     for k0 in tl.range(0, K, AMAX_K, num_stages=AMAX_STAGES):
@@ -116,7 +141,7 @@ def _fused_linear_kernel(
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
         OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr, AMAX_K: tl.constexpr,
-        AMAX_STAGES: tl.constexpr,
+        AMAX_STAGES: tl.constexpr, AMAX_EVEN: tl.constexpr, BF16_WORDS: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C = q(X) Wq^T (+ q(R) Wq[:, S]^T) (+ bias) from the float X; the dense branch of
     `gemm._w4a4_gemm_kernel` with its A tile quantized here. SPLIT_K > 1: program axis 1 takes
@@ -148,7 +173,8 @@ def _fused_linear_kernel(
     if STATIC:
         amax = tl.zeros((BLOCK_M,), tl.float32) + tl.load(amax_ptr)
     else:
-        amax = _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M, AMAX_K, AMAX_STAGES)
+        amax = _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M, AMAX_K, AMAX_STAGES,
+                         AMAX_EVEN, BF16_WORDS, NO_CONTRACT)
     s_enc, sdec = global_scales(amax)
 
     offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -342,6 +368,7 @@ def w4a4_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         HAS_RES=kr > 0, RES_ONE_STEP=kr <= bkr, DOT_F32=interpreting(),
         NO_CONTRACT=not interpreting(), EVEN_K=k % bk == 0,
         EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, OUT_BF16=c.dtype == torch.uint16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KR=bkr, AMAX_K=amax_k, AMAX_STAGES=3,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KR=bkr, AMAX_K=amax_k, AMAX_STAGES=3, AMAX_EVEN=k % amax_k == 0,
+        BF16_WORDS=x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -87,6 +87,7 @@ C = GemmConfig
     (17, 40, 64, 16, torch.bfloat16, C(16, 16, 32, 4, 2, 8, True, 2), True, True),  # swap-AB, static
     (3, 24, 96, 48, torch.float16, C(16, 16, 32, 4, 2, split_k=2), False, False),   # 2 residual steps
     (6, 24, 96, 48, torch.float32, C(16, 16, 32, 4, 2, 8, True), False, True),      # same, 1 split
+    (5, 40, 256, 32, torch.bfloat16, C(16, 16, 32, 4, 2, 8, True, 2), False, True),  # bf16 amax words
 ])
 def test_fused_equals_two_launch_cpu(m, n, k_in, k, dtype, config, static, bias):
     _check_equal("cpu", m, n, k_in, k, dtype, config, static, bias, amax_k=32)
