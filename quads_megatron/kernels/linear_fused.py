@@ -2,7 +2,8 @@
 
 At decode sizes the two-launch form (`act_quant` pre-pass, GEMM, split-K sum) pays three launches
 for a few microseconds of work. Here each program reads the float activation itself: the per-token
-global scale from its rows' amax over all of K (at M <= 64 the rows are small and stay in L2), then
+global scale from its rows' amax over all of K (at M <= 64 the rows are small and stay in L2; every
+program re-reads them, so the cost grows with M and the split), then
 in the K loop it quantizes its A tile to the exact fp16 form e2m1 * e4m3 * 2^-7 the two-launch GEMM
 reads from `act_quant` (same block scales, codes and S_dec: the same `triton_kernels` helpers), and
 with RAC the split-0 programs build the residual of the k compensated channels (own per-row S_dec)
