@@ -88,8 +88,6 @@ def main():
     run = _timer(device)
     bw = _copy_bandwidth(device)
     params = 3 * E * H * F
-    bytes_refresh = params * 4                # read + write BF16
-    bytes_build = params * (2 + 0.5625)       # read BF16, write codes + E4M3 scales
     engine = NVFP4Experts(E, H, F, Precision.W4A4, device)
 
     def floor(nbytes):
@@ -110,121 +108,123 @@ def main():
             assert torch.equal(q.data, r.data) and torch.equal(q.global_scale, r.global_scale), n
     print("correctness: grouped refresh and build equal the per-tensor nvfp4 path")
 
-    def refresh():
-        for c in caches:
+    # per layer i: its own fake-quant caches and engine buffers (as in training); two weight sets alternate
+    # so that no layer's data is in L2 when a whole step runs
+    sets = [(fc1, fc2), _layer(E, H, F, device, 1)]
+    caches = [caches] + [[ExpertsFakeQuant("fc1", sets[i % 2][0]), ExpertsFakeQuant("fc2", sets[i % 2][1])]
+                         for i in range(1, L)]
+    engines = [engine] + [NVFP4Experts(E, H, F, Precision.W4A4, device) for _ in range(1, L)]
+    modules = [{f"model.layers.{i}.mlp.experts": m} for i, m in enumerate(engines)]
+
+    def dest(i):
+        return lambda lay, role, ex: engines[i].grouped_buffers(role, ex)
+
+    def refresh_old(i):        # amax pass + fake-quant pass per projection (what a step ran before)
+        for c in caches[i]:
+            c.invalidate()
             c.refresh()
 
-    def build():
-        for _ in quantize_scale_groups(_named(layer, fc1, fc2, F), plan):
+    def amax_pass(i):          # the step's one amax pass (cached per weight version, shared below)
+        for c in caches[i]:
+            c.invalidate()
+            c.amax()
+
+    def refresh_cached(i):     # the refresh with the cached amax: one fake-quant launch per projection
+        for c in caches[i]:
+            c.refresh()
+
+    def build_old(i, into_engine):
+        w1, w2 = sets[i % 2]
+        for _ in quantize_scale_groups(_named(i, w1, w2, F), plan, destination=dest(i) if into_engine else None):
             pass
 
-    def build_into_engine():
-        def destination(lay, role, experts):
-            return engine.grouped_buffers(role, experts)
-        for _ in quantize_scale_groups(_named(layer, fc1, fc2, F), plan, destination=destination):
-            pass
+    def old_per_expert(i):     # before the grouped kernels: one quantize per scale group, a copy per tensor
+        w1, w2 = sets[i % 2]
+        for names, tensors, _ in groups:
+            qs = nvfp4.quantize_with_shared_scale(tensors) if len(tensors) > 1 else [nvfp4.quantize(tensors[0])]
+            for n, t, q in zip(names, tensors, qs):
+                load_quantized(modules[0], n, t, q)
 
-    def build_layer():
-        for _ in quantize_scale_groups([ExpertsLayer(layer, fc1, fc2)], plan):
-            pass
+    def build_layer(i, into_engine=False, views=False, amax=False, refit=False):
+        w1, w2 = sets[i % 2]
+        item = ExpertsLayer(i, w1, w2)
+        if amax or refit:
+            item.amax = tuple(c.amax() for c in caches[i])
+        if refit:
+            item.fake_quant = tuple(c.adopt for c in caches[i])
+        for q in quantize_scale_groups([item], plan, destination=dest(i) if into_engine else None):
+            if views:
+                for _ in rollout_items(q):
+                    pass
 
-    def build_layer_views():  # what an SGLang sync hands to its flat buckets: per-expert ModelOpt names
-        for item in quantize_scale_groups([ExpertsLayer(layer, fc1, fc2)], plan):
-            for _ in rollout_items(item):
-                pass
+    def step_old(i):           # a step's refit before: refresh (2 passes) + build + load (per-expert stream)
+        refresh_old(i)
+        build_old(i, True)
 
-    def build_layer_into_engine():
-        def destination(lay, role, experts):
-            return engine.grouped_buffers(role, experts)
-        for _ in quantize_scale_groups([ExpertsLayer(layer, fc1, fc2)], plan, destination=destination):
-            pass
+    def step_new(i):           # a step's refit now: one amax pass, then refresh + build + load from one read
+        amax_pass(i)
+        build_layer(i, into_engine=True, refit=True)
 
-    # the layer stream's bytes equal the per-expert stream's, in the engine's own buffers
+    # correctness of the new paths on layer 0: the engine's bytes and the AQAT cache equal the old paths'
     ref = NVFP4Experts(E, H, F, Precision.W4A4, device)
     for _ in quantize_scale_groups(_named(0, fc1, fc2, F), plan,
                                    destination=lambda lay, role, ex, m=ref: m.grouped_buffers(role, ex)):
         pass
     ptr = engine.w13.data_ptr()
-    layer = 0
-    build_layer_into_engine()
+    ref_fake = [c.refresh().clone() for c in caches[0]]
+    step_new(0)
     assert engine.w13.data_ptr() == ptr, "the layer stream rebound the engine's buffers"
     for n in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2"):
         assert torch.equal(getattr(engine, n).view(torch.uint8), getattr(ref, n).view(torch.uint8)), n
-    del ref
-    print("correctness: the layer stream writes the per-expert stream's bytes into the same buffers")
+    for c, want in zip(caches[0], ref_fake):
+        assert torch.equal(c._value.view(torch.int16), want.view(torch.int16)), f"{c.name}: refit pass != refresh"
+    del ref, ref_fake
+    print("correctness: the layer stream and the one-read refit pass write the old paths' bytes, in place")
 
-    modules = {"model.layers.0.mlp.experts": engine}
-
-    def old_per_expert():  # before: one quantize per scale group, then a copy per tensor into the engine
-        for names, tensors, _ in groups:
-            qs = nvfp4.quantize_with_shared_scale(tensors) if len(tensors) > 1 else [nvfp4.quantize(tensors[0])]
-            for n, t, q in zip(names, tensors, qs):
-                load_quantized(modules, n, t, q)
-
-    layer = 0
-    old_ms = run(old_per_expert, max(1, a.iters // 2), 1)
-    one = {"refresh": run(refresh, a.iters, 2), "build": run(build, a.iters, 2),
-           "build_load": run(build_into_engine, a.iters, 2), "build_layer": run(build_layer, a.iters, 2),
-           "build_layer_views": run(build_layer_views, a.iters, 2),
-           "build_load_layer": run(build_layer_into_engine, a.iters, 2)}
-    # a whole step: every layer in turn (two weight sets alternate, so no layer's data is in L2;
-    # each layer keeps its own fake-quant cache and engine buffers, as in training)
-    sets = [(fc1, fc2), _layer(E, H, F, device, 1)]
-    layer_caches = [[ExpertsFakeQuant("fc1", sets[i % 2][0]), ExpertsFakeQuant("fc2", sets[i % 2][1])]
-                    for i in range(L)]
-    engines = [NVFP4Experts(E, H, F, Precision.W4A4, device) for _ in range(L)]
-
-    def step_refresh():
-        for cs in layer_caches:
-            for c in cs:
-                c.refresh()
-
-    def step_build(into_engine, layers=False, views=False):
-        def stream():
-            for i in range(L):
-                w1, w2 = sets[i % 2]
-                if layers:
-                    yield ExpertsLayer(i, w1, w2)
-                else:
-                    yield from _named(i, w1, w2, F)
-        dest = (lambda lay, role, ex: engines[lay].grouped_buffers(role, ex)) if into_engine else None
-        for item in quantize_scale_groups(stream(), plan, destination=dest):
-            if views:
-                for _ in rollout_items(item):
-                    pass
-
+    B_IN, B_FQ, B_NV = 2.0, 2.0, 0.5625  # per parameter: read BF16, write BF16 fake-quant, write codes + scales
+    rows = [  # key, what, bytes moved per parameter by design, floor bytes per parameter (the result's own)
+        ("refresh", "(a) AQAT refresh, amax + fake-quant passes (old)", refresh_old, 2 * B_IN + B_FQ, B_IN + B_FQ),
+        ("amax", "(a1) amax pass (once per step, shared by (a2), (c3), (d))", amax_pass, B_IN, B_IN),
+        ("refresh_cached", "(a2) AQAT refresh with the step's amax", refresh_cached, B_IN + B_FQ, B_IN + B_FQ),
+        ("build", "(b) build NVFP4, per-expert HF stream (old)", lambda i: build_old(i, False), 2 * B_IN + B_NV,
+         B_IN + B_NV),
+        ("build_load", "(c) build + load in place, per-expert HF stream (old)", lambda i: build_old(i, True),
+         2 * B_IN + B_NV, B_IN + B_NV),
+        ("build_layer", "(b2) build NVFP4, layer stream (ExpertsLayer)", build_layer, 2 * B_IN + B_NV, B_IN + B_NV),
+        ("build_layer_views", "(b3) (b2) + per-expert ModelOpt views (SGLang wire names)",
+         lambda i: build_layer(i, views=True), 2 * B_IN + B_NV, B_IN + B_NV),
+        ("build_load_layer", "(c2) build + load in place, layer stream", lambda i: build_layer(i, True),
+         2 * B_IN + B_NV, B_IN + B_NV),
+        ("build_load_layer_amax", "(c3) build + load in place, layer stream, the step's amax",
+         lambda i: build_layer(i, True, amax=True), B_IN + B_NV, B_IN + B_NV),
+        ("refit", "(d) refresh + build + load in place from one read, the step's amax",
+         lambda i: build_layer(i, True, refit=True), B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
+        ("step_old", "(e) a step's refit before: (a) + (c)", step_old, 4 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
+        ("step_new", "(f) a step's refit now: (a1) + (d)", step_new, 2 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
+    ]
     reps = max(1, a.iters // 2)
-    steps = {"refresh": run(step_refresh, reps, 1),
-             "build": run(lambda: step_build(False), reps, 1),
-             "build_load": run(lambda: step_build(True), reps, 1),
-             "build_layer": run(lambda: step_build(False, layers=True), reps, 1),
-             "build_layer_views": run(lambda: step_build(False, layers=True, views=True), reps, 1),
-             "build_load_layer": run(lambda: step_build(True, layers=True), reps, 1)}
+    old_ms = run(lambda: old_per_expert(0), reps, 1)
     name = f"{L} layers x {E} experts, hidden {H}, FFN {F}, {device}" + (
         f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else "")
-    print(f"Refit per RL step: {name}; device copy {bw:.2f} TB/s")
-    print("| what | one layer ms | x floor | whole step ms (all layers) | step x floor | floor per layer ms |")
-    print("|---|---|---|---|---|---|")
+    print(f"Refit per RL step: {name}; device copy {bw:.2f} TB/s; floors: the result's own bytes at copy bandwidth")
+    print("| what | B/param moved | floor B/param | one layer ms | x floor | whole step ms (all layers) | step x floor |")
+    print("|---|---|---|---|---|---|---|")
     out = {"layers": L, "experts": E, "hidden": H, "ffn": F, "copy_tb_s": bw, "old_per_expert_build_load_ms": old_ms}
-    for key, what, nbytes in (("refresh", "(a) AQAT refresh (fc1 + fc2 fake-quant)", bytes_refresh),
-                              ("build", "(b) build NVFP4 rollout weights, per-expert HF stream (old)", bytes_build),
-                              ("build_load", "(c) build + load into the local engine in place, per-expert stream (old)",
-                               bytes_build),
-                              ("build_layer", "(b2) build NVFP4, layer stream (ExpertsLayer)", bytes_build),
-                              ("build_layer_views", "(b3) (b2) + per-expert ModelOpt views (SGLang wire names)",
-                               bytes_build),
-                              ("build_load_layer", "(c2) build + load in place, layer stream", bytes_build)):
-        fl = floor(nbytes)
-        print(f"| {what} | {one[key]:.3f} | {one[key] / fl:.2f} | {steps[key]:.1f} | {steps[key] / (fl * L):.2f} "
-              f"| {fl:.3f} |")
-        out[key] = {"layer_ms": one[key], "step_ms": steps[key], "floor_layer_ms": fl,
-                    "x_floor": one[key] / fl, "step_x_floor": steps[key] / (fl * L)}
-    print(f"| old path: per-expert quantize + copy into the engine | {old_ms:.3f} | {old_ms / floor(bytes_build):.2f} "
-          f"| {old_ms * L:.1f} (x{L}) | - | {floor(bytes_build):.3f} |")
+    for key, what, fn, moved, floor_b in rows:
+        one = run(lambda: fn(0), a.iters, 2)
+        step = run(lambda: [fn(i) for i in range(L)], reps, 1)
+        fl = floor(params * floor_b)
+        print(f"| {what} | {moved:.4g} | {floor_b:.4g} | {one:.3f} | {one / fl:.2f} | {step:.1f} | "
+              f"{step / (fl * L):.2f} |")
+        out[key] = {"layer_ms": one, "step_ms": step, "floor_layer_ms": fl, "bytes_per_param": moved,
+                    "floor_bytes_per_param": floor_b, "x_floor": one / fl, "step_x_floor": step / (fl * L)}
+    fl = floor(params * (B_IN + B_NV))
+    print(f"| before the grouped kernels: per-expert quantize + copy into the engine | {2 * B_IN + B_NV:.4g} | "
+          f"{B_IN + B_NV:.4g} | {old_ms:.3f} | {old_ms / fl:.2f} | {old_ms * L:.1f} (x{L}) | - |")
     wire_bf16, wire_fp4 = params * 2 * L, params * 0.5625 * L + 4 * 2 * E * L
     print(f"\nSGLang weight sync payload per step (experts): BF16 {wire_bf16 / 1e9:.2f} GB (server quantizes, "
-          f"{steps['build']:.1f} ms of grouped kernels on the server) vs NVFP4 {wire_fp4 / 1e9:.2f} GB "
-          f"(trainer quantizes, same kernels)")
+          f"{out['build_layer']['step_ms']:.1f} ms of grouped kernels on the server) vs NVFP4 "
+          f"{wire_fp4 / 1e9:.2f} GB (trainer quantizes, same kernels)")
     out["wire_bytes"] = {"bf16": wire_bf16, "nvfp4": wire_fp4}
     if a.json:
         with open(a.json, "w") as f:

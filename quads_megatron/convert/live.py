@@ -60,21 +60,36 @@ def iter_hf_weights(model, *, vocab_size: int | None = None, dtype: torch.dtype 
     if experts not in ("gather", "local"):
         raise ValueError(f"experts={experts!r}: expected 'gather' or 'local'")
     stream = _iter_hf_weights(model, vocab_size, dtype, experts, progress)
-    yield from (_stack_layers(stream) if stacked_experts else _per_expert(stream, hf_dims_of(model, vocab_size)))
+    if stacked_experts:
+        yield from _stack_layers(stream, shards_gathered=parallel_info()["etp_size"] > 1)
+    else:
+        yield from _per_expert(stream, hf_dims_of(model, vocab_size))
 
 
-def _stack_layers(stream):
-    """(name, tensor, expert info) -> the same stream with each layer's experts as one ExpertsLayer."""
+def _stack_layers(stream, shards_gathered: bool):
+    """(name, tensor, expert info) -> the same stream with each layer's experts as one ExpertsLayer.
+
+    Experts under AQAT (an ``ExpertsFakeQuant`` per layer and projection) carry its cached amax, so the
+    build skips its amax pass; unless their shards were gathered, also the cache itself as the sink of the
+    fake-quantized values, which the build writes from the same read (the next step's refresh, done)."""
+    from quads_megatron.megatron.fake_quant import experts_cache_of
     from quads_megatron.plan.expert_layers import ExpertsLayer
 
-    pending, layer = {}, None   # expert -> {"fc1": t, "fc2": t}
+    pending, layer = {}, None   # expert -> {"fc1": (t, param or None), "fc2": ...}
 
     def flush():
         order = sorted(pending)
         missing = [e for e in order if set(pending[e]) != {"fc1", "fc2"}]
         if missing:
             raise ValueError(f"iter_hf_weights: layer {layer} experts {missing[:4]} came without both fc1 and fc2")
-        item = ExpertsLayer(layer, [pending[e]["fc1"] for e in order], [pending[e]["fc2"] for e in order], order)
+        fc = {w: [pending[e][w] for e in order] for w in ("fc1", "fc2")}
+        item = ExpertsLayer(layer, [t for t, _ in fc["fc1"]], [t for t, _ in fc["fc2"]], order)
+        if all(p is not None for w in fc for _, p in fc[w]):
+            caches = [experts_cache_of([p for _, p in fc[w]]) for w in ("fc1", "fc2")]
+            if None not in caches:
+                item.amax = tuple(c.amax() for c in caches)
+                if not shards_gathered:
+                    item.fake_quant = tuple(c.adopt for c in caches)
         pending.clear()
         return item
 
@@ -84,11 +99,11 @@ def _stack_layers(stream):
                 yield flush()
             yield name, t
             continue
-        lay, expert, which, _ = info
+        lay, expert, which, _, param = info
         if pending and lay != layer:
             yield flush()
         layer = lay
-        pending.setdefault(expert, {})[which] = t
+        pending.setdefault(expert, {})[which] = (t, param)
     if pending:
         yield flush()
 
@@ -121,8 +136,11 @@ def _iter_hf_weights(model, vocab_size, dtype, experts, progress):
         else:
             owned = [(ref.expert, full)]
         which = "fc1" if rule.layout == "gate_up" else "fc2"
+        # the trainer's cached amax describes this tensor when it is this rank's expert (ETP-gathered: its
+        # amax is MAX-reduced over ETP already) and not cast
+        own = ref.param if (experts == "local" or info["ep_size"] == 1) and dtype in (None, ref.param.dtype) else None
         for expert, t_full in owned:
-            yield None, _cast(t_full, dtype), (ref.layer, expert, which, rule)
+            yield None, _cast(t_full, dtype), (ref.layer, expert, which, rule, own)
 
 
 def _per_expert(stream, dims):
@@ -131,7 +149,7 @@ def _per_expert(stream, dims):
         if info is None:
             yield name, t
             continue
-        layer, expert, _, rule = info
+        layer, expert, _, rule, _ = info
         yield from zip(qwen3_moe.hf_names(rule, layer, expert), qwen3_moe.to_hf(rule, t, dims))
 
 

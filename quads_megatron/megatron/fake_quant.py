@@ -141,17 +141,26 @@ class WeightFakeQuant:
         self._key, self._value = None, None
 
 
+def grouped_amax(mats, group) -> tuple:
+    """(amax fp32 [E], nonfinite int32 [E]) of E expert matrices, one read; MAX-reduced over a group of several
+    ranks (the amax of a sharded weight is the full weight's)."""
+    amax, bad = nvfp4.amax_grouped(mats)
+    if group_size(group) <= 1:
+        return amax, bad
+    both = all_reduce_max(torch.cat([amax, bad.to(torch.float32)]), group)
+    n = amax.numel()
+    return both[:n], (both[n:] > 0).to(torch.int32)
+
+
 def grouped_fake_quantize(mats, group, out=None) -> torch.Tensor:
     """Fake-quantized [E, N, K] of E expert matrices (a stack or a list), one global scale each.
 
-    One launch with the amax inside it; with a (expert-)TP group of several ranks the per-expert amax
-    (and NaN/Inf flags) are MAX-reduced first, so every rank uses the full weight's scale."""
+    The amax pass and the fake-quant pass (two launches); with a (expert-)TP group of several ranks the
+    per-expert amax (and NaN/Inf flags) are MAX-reduced between them, so every rank uses the full weight's scale."""
     if group_size(group) <= 1:
         return nvfp4.fake_quantize_grouped(mats, out=out)
-    amax, bad = nvfp4.amax_grouped(mats)
-    both = all_reduce_max(torch.cat([amax, bad.to(torch.float32)]), group)
-    n = amax.numel()
-    return nvfp4.fake_quantize_grouped(mats, amax=both[:n], nonfinite=both[n:] > 0, out=out)
+    amax, bad = grouped_amax(mats, group)
+    return nvfp4.fake_quantize_grouped(mats, amax=amax, nonfinite=bad, out=out)
 
 
 class ExpertsFakeQuant:
@@ -161,7 +170,10 @@ class ExpertsFakeQuant:
     The weights stay separate Parameters (read through a pointer table, no stacking copy); the cache is
     one [E, N, K] tensor and ``expert(i)`` is what expert i's module reads. The first expert whose
     master weight changed (``_version`` / ``data_ptr``, or ``invalidate()`` after an optimizer step)
-    refreshes them all.
+    refreshes them all. The per-expert amax (``amax()``: one read of the weights, MAX-reduced over the
+    group) is cached on its own for the same weight version: the refit's NVFP4 build of the rollout
+    weights reads it (``iter_hf_weights(stacked_experts=True)``) and the refresh reuses it, so one amax
+    pass per optimizer step serves both. Each weight Parameter points back here (``QUADS_EXPERTS_ATTR``).
     """
 
     def __init__(self, name, weights, *, group=None):
@@ -171,18 +183,45 @@ class ExpertsFakeQuant:
             raise ValueError(f"{name}: per-rank reduction dim K={k} (over {group_size(group)} rank(s) of its "
                              f"tensor-parallel group) is not a multiple of 16 (NVFP4 blocks)")
         self._keys, self._value = None, None
+        self._amax_keys, self._amax = None, None
+        for i, w in enumerate(self.weights):
+            setattr(w, QUADS_EXPERTS_ATTR, (self, i))
 
     @staticmethod
     def _key(w):
         return (w._version, w.data_ptr(), w.dtype)
 
+    def amax(self) -> tuple:
+        """(amax fp32 [E], nonfinite int32 [E]) of the current weights, MAX-reduced over the group; cached
+        until a weight changes or ``invalidate()`` (one read of the weights per optimizer step)."""
+        keys = [self._key(w) for w in self.weights]
+        if self._amax is None or self._amax_keys != keys:
+            with torch.inference_mode(False), torch.no_grad():
+                self._amax = grouped_amax(self.weights, self.group)
+            self._amax_keys = keys
+        return self._amax
+
     def refresh(self) -> torch.Tensor:
-        """Fake-quantize every expert now (one launch; no autograd, valid under inference_mode too)."""
+        """Fake-quantize every expert now: one launch with the cached amax (two without); no autograd,
+        valid under inference_mode too."""
+        amax, bad = self.amax()
         with torch.inference_mode(False), torch.no_grad():
             # a fresh buffer: the previous step's value may still be saved for a backward
-            self._value = grouped_fake_quantize(self.weights, self.group)
+            self._value = nvfp4.fake_quantize_grouped(self.weights, amax=amax, nonfinite=bad, name=self.name)
         self._keys = [self._key(w) for w in self.weights]
         return self._value
+
+    def adopt(self, value: torch.Tensor) -> None:
+        """Take ``value`` ([E, N, K], the fake quantization of the current weights with ``amax()``, built
+        elsewhere from the same read: the refit's ``nvfp4.refit_grouped``) as this step's cache. An inference
+        tensor (built under ``torch.inference_mode``) cannot serve a backward: it is left, the refresh runs."""
+        if value.is_inference():
+            return
+        if self._amax is None or tuple(value.shape) != (len(self.weights), *self.weights[0].shape):
+            raise ValueError(f"{self.name}: adopt needs the fake quantization of the cached amax's weights, "
+                             f"[{len(self.weights)}, {', '.join(map(str, self.weights[0].shape))}], "
+                             f"got {tuple(value.shape)}")
+        self._value, self._keys = value, list(self._amax_keys)
 
     def value(self, i: int) -> torch.Tensor:
         if self._keys is None or self._keys[i] != self._key(self.weights[i]):
@@ -191,9 +230,25 @@ class ExpertsFakeQuant:
 
     def invalidate(self):
         self._keys = None
+        self._amax_keys, self._amax = None, None
 
     def expert(self, i: int) -> "ExpertFakeQuant":
         return ExpertFakeQuant(self, i)
+
+
+QUADS_EXPERTS_ATTR = "_quads_experts_fake_quant"
+"""Attribute set on every expert weight Parameter an ``ExpertsFakeQuant`` covers: (that cache, index)."""
+
+
+def experts_cache_of(params) -> "ExpertsFakeQuant | None":
+    """The ``ExpertsFakeQuant`` covering exactly these expert weight Parameters, in their order, or None."""
+    found = [getattr(p, QUADS_EXPERTS_ATTR, None) for p in params]
+    if not found or any(f is None for f in found):
+        return None
+    owner = found[0][0]
+    if any(f[0] is not owner for f in found) or [f[1] for f in found] != list(range(len(owner.weights))):
+        return None
+    return owner
 
 
 class ExpertFakeQuant:

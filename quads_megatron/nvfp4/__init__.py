@@ -10,12 +10,12 @@ from .backend import BACKENDS, resolve_backend
 from .format import BLOCK_SIZE, E2M1_VALUES, E4M3_MAX, FP4_MAX, e2m1_table
 from .core import (amax_of, dequantize, fake_quantize, global_decode_scale,
                        global_encode_scale, quantize, quantize_with_shared_scale, shared_amax)
-from .grouped import amax_grouped, fake_quantize_grouped, quantize_grouped
+from .grouped import amax_grouped, fake_quantize_grouped, quantize_grouped, refit_grouped
 from .tensor import NVFP4Tensor
 
 __all__ = [
     "BACKENDS", "BLOCK_SIZE", "E2M1_VALUES", "E4M3_MAX", "FP4_MAX", "NVFP4Tensor", "amax_grouped", "amax_of",
     "dequantize", "fake_quantize_grouped", "quantize_grouped",
     "e2m1_table", "fake_quantize", "global_decode_scale", "global_encode_scale", "quantize",
-    "quantize_with_shared_scale", "resolve_backend", "shared_amax",
+    "quantize_with_shared_scale", "refit_grouped", "resolve_backend", "shared_amax",
 ]

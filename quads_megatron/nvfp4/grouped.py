@@ -26,7 +26,7 @@ from .tensor import NVFP4Tensor
 
 Mats = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-__all__ = ["amax_grouped", "fake_quantize_grouped", "quantize_grouped"]
+__all__ = ["amax_grouped", "fake_quantize_grouped", "quantize_grouped", "refit_grouped"]
 
 
 def _check(mats: Mats, scale_group: int, name: str) -> tuple:
@@ -114,8 +114,9 @@ def _prepare(mats, scale_group, amax, nonfinite, groups, device, backend) -> tup
     if not given:
         amax, nonfinite = tk.grouped(table, scale_group, mode=tk.AMAX_ONLY)
 
-    def launch(fake, out):
-        return tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, fake=fake, amax=amax, bad=nonfinite, out=out)
+    def launch(fake, out, pack=None, out_fake=None):
+        return tk.grouped(table, scale_group, mode=tk.AMAX_GIVEN, fake=fake, amax=amax, bad=nonfinite, out=out,
+                          pack=pack, out_fake=out_fake)
 
     return amax, nonfinite, launch
 
@@ -180,3 +181,33 @@ def fake_quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfin
     if out is None:
         return y
     return out.copy_(y)
+
+
+def refit_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=None, out: Optional[tuple] = None,
+                  out_fake: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                  name: str = "weights") -> Tuple[torch.Tensor, NVFP4Tensor]:
+    """Both results of a refit from one read of the weights: (fake-quantized ``[M, R, K]`` in their dtype,
+    the trainer's AQAT value; NVFP4Tensor, the rollout's weights), each bit-identical to
+    ``fake_quantize_grouped`` / ``quantize_grouped`` of the same arguments. out: the packed buffers (as in
+    ``quantize_grouped``); out_fake: the [M, R, K] buffer of the fake-quantized values."""
+    m, r, k, dtype, device = _check(mats, scale_group, name)
+    groups = m // scale_group
+    amax, nonfinite, triton = _prepare(mats, scale_group, amax, nonfinite, groups, device, backend)
+    if triton:
+        fake, data, scale, s_dec = triton(fake=True, out=out, pack=True, out_fake=out_fake)
+    else:
+        x = _stacked(mats, groups)
+        s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
+        d, sc = quantize_reference(x, s_enc, s_dec3)
+        fake = dequantize_reference(d, sc, s_dec.view(-1, 1, 1), dtype).view(m, r, k)
+        d, sc = d.view(m, r, k // 2), sc.view(m, r, k // BLOCK_SIZE)
+        fake = fake if out_fake is None else out_fake.copy_(fake)
+        if out is None:
+            data, scale = d, sc
+        else:
+            data, scale, s_out = out
+            data.copy_(d)
+            scale.copy_(sc)
+            s_dec = s_out.copy_(s_dec)
+    per_matrix = s_dec.repeat_interleave(scale_group).view(m, 1, 1)
+    return fake, NVFP4Tensor._trusted(data, scale, per_matrix, torch.Size((m, r, k)), (1, BLOCK_SIZE))

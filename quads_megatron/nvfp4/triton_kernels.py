@@ -271,12 +271,14 @@ if triton is not None:
 
     @triton.jit
     def _grouped_kernel(tab_ptr, q_ptr, s_ptr, dqw_ptr, sdec_ptr, amax_ptr, bad_ptr, R, K,
-                        GROUP: tl.constexpr, MODE: tl.constexpr, FAKE: tl.constexpr,
+                        GROUP: tl.constexpr, MODE: tl.constexpr, FAKE: tl.constexpr, PACK: tl.constexpr,
                         IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """NVFP4 of G scale groups of GROUP matrices [R, K] each (pointer table `tab_ptr`), one global
         scale per group, outputs stacked [G * GROUP, R, ...]; a program owns BLOCK_R rows (all of K)
         of one group. MODE 2: the amax pass (max|x| and a NaN/Inf flag per group, atomics into
-        `amax_ptr` / `bad_ptr`); MODE 0: quantize with those. A group holding NaN/Inf gets a NaN S_dec,
+        `amax_ptr` / `bad_ptr`); MODE 0: quantize with those, writing the fake-quantized values (FAKE), the
+        packed codes and scales (PACK), or both from one read (the refit: AQAT cache and rollout weights). A
+        group holding NaN/Inf gets a NaN S_dec,
         so it decodes to NaN and never to finite garbage. Two launches, not one: quantize programs
         waiting on per-group counters in a single launch were slower (docs/benchmarks.md)."""
         NB: tl.constexpr = BLOCK_K // 16
@@ -325,7 +327,7 @@ if triton is not None:
                 if FAKE:
                     sf = sf_val[:, :, None]
                     store_pairs(dqw_ptr + woffs, v_lo * sf * s_out, v_hi * sf * s_out, mask, IN_KIND)
-                else:
+                if PACK:
                     tl.store(q_ptr + woffs, packed, mask=mask)
                     blocks = k0 // 8 + tl.arange(0, NB)[None, :]
                     tl.store(s_ptr + out_row[:, None] * (K // 16) + blocks, sf_bits,
@@ -492,19 +494,22 @@ def pointer_table(mats) -> tuple:
 
 
 def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=None, out=None,
-            tile=None):
+            tile=None, pack=None, out_fake=None):
     """The grouped NVFP4 kernel over M = G * group matrices (see `_grouped_kernel`), one launch.
     `mats`: the matrices, or their `pointer_table` (built once for the amax and the quantize launch).
 
     mode AMAX_ONLY: returns (amax fp32 [G], nonfinite int32 [G]); AMAX_GIVEN: quantizes with `amax`
     / `bad` and returns the fake-quantized [M, R, K] tensor (fake) or (data uint8 [M, R, K/2], scale
-    e4m3 [M, R, K/16], S_dec [G]); `out` gives those buffers."""
+    e4m3 [M, R, K/16], S_dec [G]); `out` gives those buffers. fake and pack: both from one read,
+    returns (fake-quantized, data, scale, S_dec); `out` the packed buffers, `out_fake` the other."""
     _require_triton()
     table, m, r, k, dtype, device = mats if isinstance(mats, tuple) else pointer_table(mats)
     if m % group:
         raise ValueError(f"grouped NVFP4: {m} matrices do not split into scale groups of {group}")
     g = m // group
     kind = _WORDS[dtype][1]
+    pack = (not fake) if pack is None else pack
+    both = fake and pack
     t = dict(GROUPED_AMAX_TILE if mode == AMAX_ONLY else GROUPED_TILE, **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
     if mode == AMAX_ONLY:
@@ -515,7 +520,15 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
         amax_ws = amax.reshape(g).to(device=device, dtype=torch.float32).contiguous()
         bad_ws = (torch.zeros(g, dtype=torch.int32, device=device) if bad is None
                   else bad.reshape(g).to(device=device, dtype=torch.int32).contiguous())
-        if fake:
+        if both:
+            dq_t = out_fake if out_fake is not None else torch.empty((m, r, k), dtype=dtype, device=device)
+            dq = _words(dq_t)[0]
+            data, scale, sdec = out if out is not None else (
+                torch.empty((m, r, k // 2), dtype=torch.uint8, device=device),
+                torch.empty((m, r, k // 16), dtype=torch.uint8, device=device),
+                torch.empty(g, dtype=torch.float32, device=device))
+            q, s = data, scale.view(torch.uint8)
+        elif fake:
             dq_t = out if out is not None else torch.empty((m, r, k), dtype=dtype, device=device)
             dq = _words(dq_t)[0]
             q = s = dq
@@ -528,9 +541,11 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
             q, s, dq = data, scale.view(torch.uint8), data
     grid = (triton.cdiv(group * r, t["block_r"]) * g,)
     _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, r, k, GROUP=group, MODE=mode, FAKE=fake,
-                          IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, num_warps=t["num_warps"])
+                          PACK=pack, IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, num_warps=t["num_warps"])
     if mode == AMAX_ONLY:
         return amax_ws, bad_ws
+    if both:
+        return dq_t, data, scale.view(torch.float8_e4m3fn), sdec
     if fake:
         return dq_t, sdec
     return data, scale.view(torch.float8_e4m3fn), sdec

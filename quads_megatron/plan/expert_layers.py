@@ -34,14 +34,19 @@ class ExpertsLayer:
     """The routed experts of one layer, in expert order: fc1 ``[gate; up]`` ``[2F, H]`` and fc2 ``[H, F]`` each.
 
     fc1 / fc2: an ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors; experts: their global indices
-    (default ``0..E-1``); amax: optional per-expert fp32 amax of fc1 and fc2 (``[E]`` each) already known
-    to the producer, so the build skips its amax pass (None: computed, one read of the weights)."""
+    (default ``0..E-1``); amax: optional ``((amax, nonfinite), (amax, nonfinite))`` of fc1 and fc2 (fp32 /
+    int32 ``[E]`` each) already known to the producer (the trainer's AQAT cache of this optimizer step), so
+    the build skips its amax pass (None: computed here, one more read of the weights); fake_quant: optional
+    (fc1 sink, fc2 sink), callables taking the fake-quantized ``[E, N, K]`` values of the same weights and
+    amax: the build then writes them too, from the same read (``nvfp4.refit_grouped``), and hands them over
+    (the trainer's AQAT cache for the next step, whose refresh is then already done)."""
 
     layer: int
     fc1: Mats
     fc2: Mats
     experts: Optional[List[int]] = None
-    amax: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+    amax: Optional[tuple] = field(default=None, repr=False)
+    fake_quant: Optional[tuple] = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.experts is None:
@@ -122,7 +127,8 @@ def _contiguous(mats: Mats) -> Mats:
 
 def quantize_experts_layer(item: ExpertsLayer, destination=None) -> QuantizedExperts:
     """Quantize a layer's experts: one grouped launch per projection (plus its amax launch unless
-    ``item.amax`` gives it), written into ``destination``'s buffers when it gives them.
+    ``item.amax`` gives it), written into ``destination``'s buffers when it gives them; with
+    ``item.fake_quant`` the same launch also writes the fake-quantized values and hands them over.
 
     destination: ``named_params.Destination`` (``(layer, role, experts) -> (data, scale, S_dec)``, the
     per-expert groups' shapes: fc1 as [2E, F, H/2]); the buffers are viewed [E, 2F, H/2] here (the
@@ -140,7 +146,13 @@ def quantize_experts_layer(item: ExpertsLayer, destination=None) -> QuantizedExp
                 out = None  # the engine's buffers live elsewhere: quantize here, the caller copies
             else:
                 out = (data.view(E, n, k // 2), scale.view(E, n, k // nvfp4.BLOCK_SIZE), s_dec.view(E))
-        amax = None if item.amax is None else item.amax[0 if which == "fc1" else 1]
-        results.append(nvfp4.quantize_grouped(mats, scale_group=1, amax=amax, out=out,
-                                              name=f"{item.prefix} {which}"))
+        i = 0 if which == "fc1" else 1
+        amax, bad = (None, None) if item.amax is None else item.amax[i]
+        name = f"{item.prefix} {which}"
+        if item.fake_quant is None:
+            results.append(nvfp4.quantize_grouped(mats, scale_group=1, amax=amax, nonfinite=bad, out=out, name=name))
+            continue
+        fake, q = nvfp4.refit_grouped(mats, scale_group=1, amax=amax, nonfinite=bad, out=out, name=name)
+        item.fake_quant[i](fake)
+        results.append(q)
     return QuantizedExperts(item, *results)

@@ -244,3 +244,55 @@ def test_bad_input_is_a_clear_error():
         apply_quads(build(), QuadsRecipe(backend="te"))
     with pytest.raises(TypeError, match="GPTModel"):
         apply_quads(torch.nn.Linear(16, 16))
+
+
+def test_refit_layer_stream_reuses_the_trainers_amax_and_the_refresh_reuses_it_back(monkeypatch):
+    """One read per optimizer step after the amax pass: the sync's layer stream carries the AQAT cache's per-expert
+    amax (the build skips its pass, same bytes as the per-expert stream) and the build writes the cache's fake
+    quantization from the same read (the next forward refreshes nothing)."""
+    from quads_megatron.convert.live import iter_hf_weights
+    from quads_megatron.megatron.aqat import apply_quads, plan_for_model, post_optimizer_hook
+    from quads_megatron.plan import ExpertsLayer, quantize_named_params
+
+    model = apply_quads(build(params_dtype=torch.bfloat16))
+    plan = plan_for_model(model, QuadsRecipe())
+    calls = []
+    real = nvfp4.amax_grouped
+    monkeypatch.setattr(nvfp4, "amax_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for step in range(2):
+        if step:
+            w = module(model, FC1).weight
+            w.data.copy_(w.data * 3)           # a Megatron-style .data write ...
+            post_optimizer_hook(model)         # ... announced by the post-optimizer hook
+        calls.clear()
+        stacked = list(iter_hf_weights(model, vocab_size=VOCAB, stacked_experts=True))
+        layers = [x for x in stacked if isinstance(x, ExpertsLayer)]
+        assert len(layers) == 2 and len(calls) == 4  # one amax pass per layer and projection
+        for item in layers:
+            for (amax, bad), mats in zip(item.amax, (item.fc1, item.fc2)):
+                want = torch.stack([m.detach().abs().amax().float() for m in mats])  # independent of the kernels
+                assert torch.equal(amax, want) and not bool(bad.any())
+        got = dict(quantize_named_params(stacked, plan))
+        expected = dict(quantize_named_params(iter_hf_weights(model, vocab_size=VOCAB), plan))
+        assert got.keys() == expected.keys()
+        for n, t in expected.items():
+            assert torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+        assert len(calls) == 4, "the build used the carried amax, the per-expert path has no grouped amax"
+        shared = quads_targets_of(model)[FC1].weights["weight"].shared
+        refreshes = []
+        real_refresh = shared.refresh
+        shared.refresh = lambda: refreshes.append(1) or real_refresh()
+        loss_of(model, batch())                # the build wrote the AQAT cache from the same read: no refresh
+        assert len(calls) == 4 and refreshes == []
+        for e in range(4):                     # ... and what it wrote is the per-tensor fake quantization
+            name = f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1"
+            w = module(model, name).weight
+            fq = quads_targets_of(model)[name].weights["weight"]
+            assert torch.equal(fq.value(w), nvfp4.dequantize(nvfp4.quantize(w.detach(), backend="torch"), w.dtype))
+        assert refreshes == []
+
+
+def quads_targets_of(model):
+    from quads_megatron.megatron.aqat import quads_targets
+
+    return quads_targets(model)

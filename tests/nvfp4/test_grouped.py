@@ -105,3 +105,26 @@ def test_bad_input_is_named():
         nvfp4.quantize_grouped(torch.zeros(3, 4, 32), scale_group=2)
     with pytest.raises(InputError, match="one per scale group"):
         nvfp4.quantize_grouped(x, amax=torch.ones(3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, group, as_list", [(torch.bfloat16, 1, True), (torch.bfloat16, 2, False),
+                                                   (torch.float32, 1, False)])
+def test_refit_grouped_writes_both_results_from_one_read(device, backend, dtype, group, as_list):
+    """The refit's one pass: fake-quantized values AND packed codes/scales, each equal to the per-group reference,
+    into given buffers (the AQAT cache and the rollout engine's) in place."""
+    x = _mats(6, 20, 48, dtype, device, seed=11 + group)
+    mats = list(x) if as_list else x
+    ref_data, ref_scale, ref_sdec, ref_fake = _per_group_reference(x, group)
+    fake, q = nvfp4.refit_grouped(mats, scale_group=group, backend=backend)
+    assert torch.equal(_bits(fake), _bits(ref_fake)) and torch.equal(q.data, ref_data)
+    assert torch.equal(q.scale.view(torch.uint8), ref_scale) and torch.equal(q.global_scale.view(-1), ref_sdec)
+    out = (torch.zeros_like(ref_data), torch.zeros(ref_scale.shape, dtype=torch.float8_e4m3fn, device=device),
+           torch.zeros(6 // group, device=device))
+    out_fake = torch.zeros_like(x)
+    amax = torch.stack([x[i:i + group].abs().amax().float() for i in range(0, 6, group)])
+    fake2, q2 = nvfp4.refit_grouped(mats, scale_group=group, amax=amax, out=out, out_fake=out_fake, backend=backend)
+    assert fake2.data_ptr() == out_fake.data_ptr() and q2.data.data_ptr() == out[0].data_ptr()
+    assert torch.equal(_bits(out_fake), _bits(ref_fake)) and torch.equal(out[0], ref_data)
+    assert torch.equal(out[1].view(torch.uint8), ref_scale) and torch.equal(out[2].repeat_interleave(group), ref_sdec)

@@ -18,6 +18,7 @@ from quads_megatron.recipe import QuadsRecipe
 E, H, F = 4, 64, 32
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_kernels.available(), reason="triton not installed"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _plan(rollout="w4a16"):
@@ -26,12 +27,13 @@ def _plan(rollout="w4a16"):
     return QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision=rollout), dims)
 
 
-def _layer(layer, seed, dtype=torch.bfloat16, stacked=False):
+def _layer(layer, seed, dtype=torch.bfloat16, stacked=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp2(torch.randint(-4, 4, (E, 1, 1), generator=g).float())
     fc1 = (torch.randn(E, 2 * F, H, generator=g) * scale).to(dtype)
     fc1[1, F:] *= 8  # the up half holds expert 1's amax: gate must use it too (shared scale group)
     fc2 = (torch.randn(E, H, F, generator=g) * scale).to(dtype)
+    fc1, fc2 = fc1.to(device), fc2.to(device)
     return ExpertsLayer(layer, fc1 if stacked else list(fc1), fc2 if stacked else list(fc2))
 
 
@@ -40,6 +42,7 @@ def _reference(item):
     out = {}
     for e, w1, w2 in zip(item.experts, item.fc1, item.fc2):
         pre = f"model.layers.{item.layer}.mlp.experts.{e}"
+        w1, w2 = w1.cpu(), w2.cpu()
         qs = nvfp4.quantize_with_shared_scale([w1[:F], w1[F:]], backend="torch") + [nvfp4.quantize(w2, backend="torch")]
         for proj, q in zip(("gate_proj", "up_proj", "down_proj"), qs):
             out[f"{pre}.{proj}.weight"] = q.data
@@ -52,16 +55,17 @@ def _same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stacked", [False, True])
-def test_layer_stream_equals_per_expert_reference(backend, stacked, monkeypatch):
+def test_layer_stream_equals_per_expert_reference(device, backend, stacked, monkeypatch):
     monkeypatch.setenv("QUADS_BACKEND", backend)
-    item = _layer(1, seed=3, stacked=stacked)
+    item = _layer(1, seed=3, stacked=stacked, device=device)
     got = list(quantize_named_params([item], _plan()))
     ref = _reference(item)
     assert [n for n, _ in got] == list(ref)  # per-expert ModelOpt names, in the per-expert stream's order
     for name, t in got:
-        assert _same(t, ref[name]), name
+        assert _same(t.cpu(), ref[name]), name
 
 
 def test_mixed_stream_keeps_order_and_dense_weights():

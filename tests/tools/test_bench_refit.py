@@ -17,8 +17,12 @@ def test_bench_refit_runs_tiny_on_cpu(monkeypatch, capsys, tmp_path):
     bench.main()
     text = capsys.readouterr().out
     assert "correctness: grouped refresh and build equal" in text and "(a) AQAT refresh" in text
+    assert "correctness: the layer stream and the one-read refit pass write the old paths' bytes" in text
     rows = json.loads(out.read_text())
     assert rows["layers"] == 2 and rows["refresh"]["step_ms"] > 0
+    # the old and the new path in one run, each with the bytes it moves by design (per parameter)
+    assert rows["step_old"]["bytes_per_param"] == 10.5625 and rows["step_new"]["bytes_per_param"] == 6.5625
+    assert rows["refit"]["floor_bytes_per_param"] == 4.5625 and rows["build_load_layer"]["step_ms"] > 0
     # wire size: BF16 is 2 B/parameter, NVFP4 0.5625 B + one fp32 scale per gate/up and down of each expert
     params = 3 * 8 * 128 * 64 * 2
     assert rows["wire_bytes"] == {"bf16": params * 2, "nvfp4": params * 0.5625 + 4 * 2 * 8 * 2}
