@@ -143,6 +143,7 @@ def _fused_linear_kernel(
         OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr, AMAX_K: tl.constexpr,
         AMAX_STAGES: tl.constexpr, AMAX_EVEN: tl.constexpr, BF16_WORDS: tl.constexpr,
+        PACKED_MAX: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C = q(X) Wq^T (+ q(R) Wq[:, S]^T) (+ bias) from the float X; the dense branch of
     `gemm._w4a4_gemm_kernel` with its A tile quantized here. SPLIT_K > 1: program axis 1 takes
@@ -175,7 +176,7 @@ def _fused_linear_kernel(
         amax = tl.zeros((BLOCK_M,), tl.float32) + tl.load(amax_ptr)
     else:
         amax = _row_amax(x_ptr, a_rows, row_mask, stride_xm, K, BLOCK_M, AMAX_K, AMAX_STAGES,
-                         AMAX_EVEN, BF16_WORDS, NO_CONTRACT)
+                         AMAX_EVEN, BF16_WORDS, PACKED_MAX)
     s_enc, sdec = global_scales(amax)
 
     offs_nl = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -306,6 +307,13 @@ def _counts(device: torch.device, stream: int, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_u16x2_max(device: torch.device) -> bool:
+    """PTX `max.u16x2` (sm_90+) for the bf16 row amax; the interpreter and older GPUs take the
+    two-max form."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     size = max(1024, triton.next_power_of_2(tiles))
@@ -371,5 +379,6 @@ def w4a4_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, OUT_BF16=c.dtype == torch.uint16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KR=bkr, AMAX_K=amax_k, AMAX_STAGES=3, AMAX_EVEN=k % amax_k == 0,
         BF16_WORDS=x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0,
+        PACKED_MAX=_has_u16x2_max(x.device),
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
