@@ -52,10 +52,14 @@ def _store_packed(q_ptr, s_ptr, codes, sf_bits, rows, rmask, col0, K, BLOCK_M: t
 
 @triton.jit
 def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """Store e2m1 * e4m3 * 2^-7 as fp16 (exact: at most 6 significant bits, |v| <= 21)."""
+                    BLOCK_K: tl.constexpr, FRAG: tl.constexpr = False):
+    """Store e2m1 * e4m3 * 2^-7 as fp16 (exact: at most 6 significant bits, |v| <= 21).
+    FRAG: column c goes to the fragment GEMM's K position 32 w + 8 j + 2 t + b of its 128-wide
+    step (c = 32 w + 16 b + 4 t + j, `fragment_layout.fragment_columns`)."""
     vals = tl.reshape(e2m1_decode(codes), (BLOCK_M, BLOCK_K // 16, 16)) * \
         (sf_val * 0.0078125)[:, :, None]
+    if FRAG:
+        cols = (cols // 32) * 32 + (cols % 4) * 8 + ((cols // 4) % 4) * 2 + (cols // 16) % 2
     tl.store(v_ptr + rows[:, None].to(tl.int64) * K + cols,
              tl.reshape(vals, (BLOCK_M, BLOCK_K)).to(tl.float16), mask=mask)
 
@@ -63,7 +67,7 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 @triton.jit
 def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
                       comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
-                      WRITE_F16: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,7 +94,7 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
                                                       BLOCK_K // 16, BLOCK_M)
         _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
         if WRITE_F16:
-            _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K)
+            _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K, FRAG)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
         tl.debug_barrier()  # codes and scales just stored are read back
@@ -135,12 +139,15 @@ class QuantizedActivation(NamedTuple):
 def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] = None,
                             input_scale=None, groups: Optional[torch.Tensor] = None,
                             silu_mul: bool = False, block_m: Optional[int] = None,
-                            with_values: bool = True) -> QuantizedActivation:
+                            with_values: bool = True,
+                            fragment_order: bool = False) -> QuantizedActivation:
     """x [M, K] (or [M, 2K] gate|up with silu_mul) -> QuantizedActivation (no host syncs).
 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
     static per-tensor activation decode scale (the residual keeps a per-row scale);
     with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual);
+    fragment_order: the activation's fp16 values in the fragment GEMM's K order
+    (`fragment_layout.fragment_columns`: values[:, p] = x's value at column fragment_columns(K)[p]);
     block_m: rows per program (default: 1 row with 1024-wide tiles below 512 rows, where a few
     4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles).
     Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
@@ -152,6 +159,8 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     k = k_in // 2 if silu_mul else k_in
     if k % 16 or (silu_mul and k_in % 2):
         raise ValueError(f"x: K = {k} is not a multiple of 16")
+    if fragment_order and k % 128:
+        raise ValueError(f"x: K = {k} is not a multiple of 128 (fragment_order)")
     dev = x.device
     data = torch.empty(m_rows, k // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(m_rows, k // 16, dtype=torch.uint8, device=dev)
@@ -189,7 +198,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         x, x.stride(0), m_rows, k, amax, data, scale, s_dec,
         values if with_values else s_dec, comp, comp_stride, grp,
         r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec,
-        r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values,
+        r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values, FRAG=fragment_order,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False)

@@ -49,6 +49,7 @@ import triton.language as tl
 from quads_megatron.nvfp4.triton_kernels import bf16_round
 
 from .combine import topk_sum
+from .fragment_layout import check_fragment_shape
 
 
 @triton.jit
@@ -92,6 +93,119 @@ def decode_words_f16(words, sbits, R: tl.constexpr, C: tl.constexpr):
     return tl.reshape(t, (R, C))
 
 
+# ---- fragment layout (`fragment_layout.py`): codes pre-permuted into wgmma's register fragments --
+_FRAG_DECODE_ASM = tl.constexpr("""{
+.reg .b32 x, y, t, u, sc, r0, r1, r2, r3;
+.reg .b16 xl, xh, yl, yh;
+cvt.rn.f16x2.e4m3x2 sc, $9;
+and.b32 x, $8, 0x9C9C9C9C;
+shl.b32 t, $8, 2;
+shr.b32 u, $8, 2;
+and.b32 t, t, 0x8C8C8C8C;
+and.b32 u, u, 0x10101010;
+or.b32 y, t, u;
+mov.b32 {xl, xh}, x;
+mov.b32 {yl, yh}, y;
+cvt.rn.f16x2.e4m3x2 r0, xl;
+cvt.rn.f16x2.e4m3x2 r1, xh;
+cvt.rn.f16x2.e4m3x2 r2, yl;
+cvt.rn.f16x2.e4m3x2 r3, yh;
+mul.rn.f16x2 r0, r0, sc;
+mul.rn.f16x2 r1, r1, sc;
+mul.rn.f16x2 r2, r2, sc;
+mul.rn.f16x2 r3, r3, sc;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}""")
+
+
+@triton.jit
+def _e4m3_byte_f16(b):
+    """One E4M3 byte (in a uint32) -> its exact fp16 value: the bits moved into fp16's fields are
+    the value * 2^-8 (subnormals included), times 2^8."""
+    h = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.uint16)
+    return h.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _fragment_word_portable(w, sc):
+    """The inline-asm decode in plain Triton (the CPU interpreter): word -> 8 fp16, same values."""
+    x = w & 0x9C9C9C9C
+    y = ((w << 2) & 0x8C8C8C8C) | ((w >> 2) & 0x10101010)
+    s = sc.to(tl.uint32)
+    s0 = _e4m3_byte_f16(s & 0xFF)
+    s1 = _e4m3_byte_f16(s >> 8)
+    return (_e4m3_byte_f16(x & 0xFF) * s0, _e4m3_byte_f16((x >> 8) & 0xFF) * s1,
+            _e4m3_byte_f16((x >> 16) & 0xFF) * s0, _e4m3_byte_f16(x >> 24) * s1,
+            _e4m3_byte_f16(y & 0xFF) * s0, _e4m3_byte_f16((y >> 8) & 0xFF) * s1,
+            _e4m3_byte_f16((y >> 16) & 0xFF) * s0, _e4m3_byte_f16(y >> 24) * s1)
+
+
+@triton.jit
+def decode_fragments(words, sc, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """Fragment-order words [slot, 4 w] (int32, `_fragment_main_loop`'s slots) and the matching scale
+    pairs (uint16: blocks 2w, 2w + 1 of the row) -> fp16 tile [BLOCK_N, 128] = value * scale * 2^-6
+    in the kernel's K order (column 32 w + 8 j + 2 t + b holds column 16 (2w + b) + 4t + j of the
+    step; the activation comes in the same order, `fragment_layout.fragment_columns`). Every op
+    is elementwise or a register-level join/permute, so the tile lands in wgmma's register-operand
+    layout without a shuffle. ASM: the and/shift + cvt.e4m3x2 + mul.f16x2 decode (GPU); else the
+    same values in plain Triton (the interpreter)."""
+    w = words.to(tl.uint32, bitcast=True)
+    if ASM:
+        o00, o01, o10, o11, o20, o21, o30, o31 = tl.inline_asm_elementwise(
+            _FRAG_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, sc],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        o00, o01, o10, o11, o20, o21, o30, o31 = _fragment_word_portable(w, sc)
+    p01 = tl.join(tl.join(o00, o01), tl.join(o10, o11))   # [..., w, b, j = 0 / 1]
+    p23 = tl.join(tl.join(o20, o21), tl.join(o30, o31))   # [..., w, b, j = 2 / 3]
+    t = tl.join(p01, p23)                                  # [slot, w, b, jlo, jhi]
+    t = tl.reshape(t, (2, BLOCK_N // 64, 4, 8, 4, 4, 2, 2, 2))  # [h, A, q, g, t, w, b, jlo, jhi]
+    t = tl.permute(t, (1, 2, 0, 3, 5, 8, 7, 4, 6))         # [A, q, h, g, w, jhi, jlo, t, b]
+    return tl.reshape(t, (BLOCK_N, 128))
+
+
+@triton.jit
+def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, stride_we,
+                        stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
+                        SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The main loop over fragment-order codes: per 128-wide step, one [BLOCK_N/64] x 1024-word
+    load (16 bytes per thread and row pair), the matching scale pairs, the activation tile (its
+    columns already in the tile's K order), the register decode and one MMA."""
+    NA: tl.constexpr = BLOCK_N // 64
+    # a thread's 4 words are one 16-byte load; [slot, 4 words] with slot = t + 4 g + 32 q +
+    # 128 (atom + NA h): lanes take (t, g), warps q (and the atom with 8 warps), registers the rest
+    slot = tl.arange(0, 256 * NA)[:, None]
+    ww = tl.arange(0, 4)[None, :]
+    tt = slot % 4
+    gg = (slot // 4) % 8
+    qq = (slot // 32) % 4
+    aa = (slot // 128) % NA
+    hh = slot // (128 * NA)
+    atom = tl.minimum(pid_n * NA + aa, N // 64 - 1)   # past N: the last atom (stores are masked)
+    step0 = k_start // 128
+    w_ptrs = w32_ptr + expert * (stride_we // 4) + (atom * (K // 128) + step0) * 1024 \
+        + hh * 512 + qq * 128 + gg * 16 + tt * 4 + ww
+    rows = atom * 64 + qq * 16 + hh * 8 + gg
+    s_ptrs = ws_ptr + expert * (stride_wse // 2) + rows.to(tl.int64) * (stride_wsn // 2) \
+        + step0 * 4 + ww
+    # the activation is stored in the same K order (`fragment_layout.fragment_columns`)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_start + tl.arange(0, 128)[None, :]
+    for _ in range(k_start, k_end, 128):
+        words = tl.load(w_ptrs)
+        sc = tl.load(s_ptrs)
+        a = tl.load(a_ptrs)
+        w_ptrs += 1024
+        s_ptrs += 4
+        a_ptrs += 128
+        wt = decode_fragments(words, sc, BLOCK_N, ASM)
+        acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
+    return acc
+
+
 @triton.jit
 def _mma(acc, a, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
     """acc [M, N] += a [M, K] w [N, K]^T; SWAP_AB: acc [N, M] += w a^T, so the weight tile decoded in
@@ -124,14 +238,16 @@ def _w4a4_gemm_kernel(
         SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
-        OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
     SPLIT_K > 1 (dense only): program axis 1 takes K_SPLIT of K and stores its fp32 partial
-    (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`."""
+    (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
+    FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
+    and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -178,25 +294,32 @@ def _w4a4_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            ww = tl.load(w_ptrs)
-            wsb = tl.load(s_ptrs)
-            a = tl.load(a_ptrs)
-        else:
-            kw = (k0 // 8 + tl.arange(0, BLOCK_K // 8)) < K // 8
-            ks = (k0 // 16 + tl.arange(0, BLOCK_K // 16)) < K // 16
-            ka = (k0 + tl.arange(0, BLOCK_K)) < K
-            ww = tl.load(w_ptrs, mask=kw[None, :], other=0)
-            wsb = tl.load(s_ptrs, mask=ks[None, :], other=0)
-            a = tl.load(a_ptrs, mask=ka[None, :], other=0.0)
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 16
-        a_ptrs += BLOCK_K
-        wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
-        acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
+    if FRAG:
+        acc = _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert,
+                                  stride_we, stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
+                                  SWAP_AB, DOT_F32, FRAG_ASM, BLOCK_M, BLOCK_N)
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                ww = tl.load(w_ptrs)
+                wsb = tl.load(s_ptrs)
+                a = tl.load(a_ptrs)
+            else:
+                kw = (k0 // 8 + tl.arange(0, BLOCK_K // 8)) < K // 8
+                ks = (k0 // 16 + tl.arange(0, BLOCK_K // 16)) < K // 16
+                ka = (k0 + tl.arange(0, BLOCK_K)) < K
+                ww = tl.load(w_ptrs, mask=kw[None, :], other=0)
+                wsb = tl.load(s_ptrs, mask=ks[None, :], other=0)
+                a = tl.load(a_ptrs, mask=ka[None, :], other=0.0)
+            w_ptrs += BLOCK_K // 8
+            s_ptrs += BLOCK_K // 16
+            a_ptrs += BLOCK_K
+            wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
+            acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
 
     ws2 = tl.load(ws2_ptr + expert)
+    if FRAG:  # its weight tile is value * scale * 2^-6, the v2 tile's 2^-7 times 2 (exact)
+        acc = acc * 0.5
     if W4A16:
         if SWAP_AB:
             acc = tl.trans(acc)
@@ -289,6 +412,17 @@ def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) ->
     return GemmConfig(128, 128, bk if rac else min(bk, 64), 8, 3)
 
 
+def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
+    """Grouped tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps):
+    swap-AB (the decoded weight as wgmma's register operand) at decode sizes, (64 | 128) x 128
+    tiles at prefill. `tools/bench_moe_layer.py --sweep` measures the alternatives."""
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 64, 128, 4, 4, 8, True)
+    if rows_per_expert <= 64:
+        return GemmConfig(64, 128, 128, 8, 3)
+    return GemmConfig(128, 128, 128, 8, 3)
+
+
 def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
     """Split K (powers of 2, at most 8) until a dense launch of `programs` tiles has >= 2 x SMs
     programs, keeping >= 4 K-steps per split: at decode M a dense layer has too few tiles to
@@ -331,15 +465,26 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                 w_scale: torch.Tensor, w_scale_2: torch.Tensor, out: torch.Tensor, *, m: int,
                 w4a16: bool = False, r=None, comp_weight: Optional[torch.Tensor] = None,
                 bias=None, routing=None, a_row_div: int = 1, topk_weights=None,
-                config: Optional[GemmConfig] = None) -> torch.Tensor:
+                config: Optional[GemmConfig] = None, fragment_layout: bool = False) -> torch.Tensor:
     """Run the kernel. a: the exact fp16 activation values of act_quant [Ma, K] (or the float
     x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
     expert_ids, num_post) for the grouped form; RAC: r = (values [Ma, k], s_dec [Ma]) of the
-    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`)."""
+    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`);
+    fragment_layout: w is in `fragment_layout.to_fragment_order`'s byte order (the v3 main loop)."""
     e, n, k2 = w.shape
     k = k2 * 2
     if a.stride(-1) != 1:
         raise ValueError("activation: expected a row-major tensor")
+    if fragment_layout:
+        check_fragment_shape(w, "weight")
+        if config is None:
+            config = fragment_config(m / max(1, e), n, k, rac=r is not None)
+        if config.block_k != 128 or config.block_n % 64 or config.block_m % 16:
+            raise ValueError(f"config: fragment-order weights need block_k 128, block_n a multiple "
+                             f"of 64 and block_m of 16, got {config}")
+        if w_scale.stride(-1) != 1 or w_scale.stride(-2) % 2 or w_scale.stride(0) % 2:
+            raise ValueError(f"weight_scale: expected row-major E4M3 scales [E, N, K//16], got "
+                             f"stride {w_scale.stride()}")
     if config is None and routing is None:
         config = dense_config(m, n, k, _num_sms(a.device) if a.is_cuda and not interpreting() else 0)
     elif config is None:
@@ -370,19 +515,21 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         c = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out
     out_bf16 = c.dtype == torch.uint16
     grid = (num_m_blocks * triton.cdiv(n, bn), split)
-    ws = w_scale.view(torch.uint8)
+    ws = w_scale.view(torch.uint16 if fragment_layout else torch.uint8)
     _w4a4_gemm_kernel[grid](
         a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
         r[0] if kr else a, r[1] if kr else w_scale_2, kr,
         rw, rw.stride(0) if kr else 0, rw.stride(1) if kr else 0,
-        _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), ws.stride(0),
-        ws.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
+        _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), w_scale.stride(0),
+        w_scale.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
         sorted_ids, expert_ids, npost, m, n, k, k_split, a_row_div, num_m_blocks,
         SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
-        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
+        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab,
+        FRAG=fragment_layout, FRAG_ASM=fragment_layout and not interpreting(),
+        OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:

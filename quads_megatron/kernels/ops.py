@@ -32,13 +32,28 @@ from ._checks import (check_act_mode, check_activation, check_comp, check_comp_w
                       check_moe_inputs, check_packed_weight)
 from .act_quant import quantize_activation_rac
 from .combine import topk_sum
-from .gemm import default_config, launch_gemm
+from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order
+from .gemm import default_config, fragment_config, launch_gemm
 from .linear_fused import FUSED_MAX_M, w4a4_linear_fused
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
 
-__all__ = ["w4a4_linear", "w4a4_fused_moe"]
+__all__ = ["w4a4_linear", "w4a4_fused_moe", "WEIGHT_LAYOUTS"]
+
+# "modelopt": packed codes as in the checkpoint (the v2 main loop); "fragment": the codes in
+# `fragment_layout.to_fragment_order`'s byte order (the v3 main loop), scales unchanged
+WEIGHT_LAYOUTS = ("modelopt", "fragment")
+
+
+def _check_layout(weight_layout: str, **weights) -> bool:
+    """True for fragment-order weights (their N / K multiples checked), False for ModelOpt's."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    if weight_layout == "fragment":
+        for name, w in weights.items():
+            check_fragment_shape(w, name)
+    return weight_layout == "fragment"
 
 
 def _same_device(x: torch.Tensor, **tensors) -> None:
@@ -52,12 +67,14 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 comp_index: Optional[torch.Tensor] = None, input_scale=None,
                 bias: Optional[torch.Tensor] = None, backend: Optional[str] = None,
                 check_inputs: bool = True,
-                comp_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                comp_weight: Optional[torch.Tensor] = None,
+                weight_layout: str = "modelopt") -> torch.Tensor:
     """y = x Wq^T (+ bias) with NVFP4 weights; act_mode w4a4 | w4a4_rac | w4a16. x [..., K] -> [..., N].
 
     backend: "triton" | "torch" | None (`resolve_backend`); check_inputs=False: no host-syncing
     value checks; comp_weight: fp16 [N, k] = rac_weight_columns(weight, weight_scale,
-    comp_index) (w4a4_rac; built per call when None)."""
+    comp_index) (w4a4_rac; built per call when None); weight_layout: "modelopt" or "fragment"
+    (`WEIGHT_LAYOUTS`)."""
     check_act_mode(act_mode)
     n, k = check_packed_weight(weight, weight_scale, weight_scale_2, ndim=2, name="weight")
     check_activation(x, k)
@@ -67,11 +84,19 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     check_comp_weight(comp_weight, comp, (n,), "comp_weight")
     _same_device(x, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2,
                  comp_index=comp, bias=bias, comp_weight=comp_weight if comp is not None else None)
+    frag = _check_layout(weight_layout, weight=weight)
+    if frag and (resolve_backend(x.device, backend) == "torch" or
+                 (comp is not None and comp_weight is None)):
+        modelopt = from_fragment_order(weight)  # the reference (and per-call RAC columns) read it
+        if resolve_backend(x.device, backend) == "torch":
+            weight, frag = modelopt, False
+        else:
+            comp_weight = rac_weight_columns(modelopt, weight_scale, comp)
     if resolve_backend(x.device, backend) == "torch":
         return reference.w4a4_linear(x, weight, weight_scale, weight_scale_2, act_mode=act_mode,
                                      comp_index=comp_index, input_scale=input_scale, bias=bias,
                                      check_inputs=False)
-    if act_mode == "w4a4" and x.is_cuda:
+    if act_mode == "w4a4" and x.is_cuda and not frag:
         from . import blackwell
 
         if blackwell.available(x.device):
@@ -85,21 +110,23 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     w, ws, ws2 = weight.unsqueeze(0), weight_scale.unsqueeze(0), weight_scale_2.reshape(1)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     if act_mode == "w4a16":
-        launch_gemm(x2d, None, w, ws, ws2, out, m=m, w4a16=True, bias=b)
+        a = x2d[:, fragment_columns(k, x.device)].contiguous() if frag else x2d
+        launch_gemm(a, None, w, ws, ws2, out, m=m, w4a16=True, bias=b, fragment_layout=frag)
     else:
         cols = None
         if comp is not None:
             cols = (comp_weight if comp_weight is not None
                     else rac_weight_columns(weight, weight_scale, comp))
-        if m <= FUSED_MAX_M:  # decode sizes: one launch, the activation quantized in the GEMM
+        if m <= FUSED_MAX_M and not frag:  # decode sizes: one launch, the activation quantized in the GEMM
             w4a4_linear_fused(x2d, weight, weight_scale, weight_scale_2, out,
                               comp_index=None if comp is None else comp.to(torch.int32).contiguous(),
                               comp_weight=cols, input_scale=input_scale, bias=b)
         else:
-            qa = quantize_activation_rac(x2d, comp, input_scale)
+            qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
             r = None if comp is None else (qa.r_values, qa.r_s_dec)
             launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,
-                        comp_weight=None if cols is None else cols.unsqueeze(0), bias=b)
+                        comp_weight=None if cols is None else cols.unsqueeze(0), bias=b,
+                        fragment_layout=frag)
     return out.view(*x.shape[:-1], n)
 
 
@@ -111,13 +138,16 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_input_scale=None, backend: Optional[str] = None,
                    check_inputs: bool = True, w13_comp_weight: Optional[torch.Tensor] = None,
                    w2_comp_weight: Optional[torch.Tensor] = None,
-                   configs: Optional[tuple] = None) -> torch.Tensor:
+                   configs: Optional[tuple] = None,
+                   weight_layout: str = "modelopt") -> torch.Tensor:
     """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     backend and check_inputs as in `w4a4_linear`; w13_comp_weight fp16 [E, 2F, k] /
     w2_comp_weight fp16 [E, H, k]: rac_weight_columns of w13 / w2 at their channels (w4a4_rac;
     built per call when None); configs: (fc1, fc2) `GemmConfig`s instead of `default_config`'s
-    (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block)."""
+    (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block);
+    weight_layout: "modelopt" or "fragment" (w13 and w2 in `fragment_layout`'s order, the v3 main
+    loop; the reference backend and per-call RAC columns convert them back)."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
         x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
         act_mode, w13_comp_index, w2_comp_index, check_inputs)
@@ -127,7 +157,19 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                  w13_comp_index=c13, w2_comp_index=c2,
                  w13_comp_weight=w13_comp_weight if c13 is not None else None,
                  w2_comp_weight=w2_comp_weight if c2 is not None else None)
-    if resolve_backend(x.device, backend) == "torch":
+    frag = _check_layout(weight_layout, w13=w13, w2=w2)
+    torch_backend = resolve_backend(x.device, backend) == "torch"
+    if frag and (torch_backend or (c13 is not None and w13_comp_weight is None)
+                 or (c2 is not None and w2_comp_weight is None)):
+        w13_mo, w2_mo = from_fragment_order(w13), from_fragment_order(w2)
+        if torch_backend:
+            w13, w2, frag = w13_mo, w2_mo, False
+        else:
+            if c13 is not None and w13_comp_weight is None:
+                w13_comp_weight = rac_weight_columns(w13_mo, w13_scale, c13)
+            if c2 is not None and w2_comp_weight is None:
+                w2_comp_weight = rac_weight_columns(w2_mo, w2_scale, c2)
+    if torch_backend:
         return reference.w4a4_fused_moe(
             x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
             act_mode=act_mode, w13_comp_index=w13_comp_index, w2_comp_index=w2_comp_index,
@@ -137,38 +179,43 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if m == 0:
         return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     x = x.contiguous()
+    pick = fragment_config if frag else default_config
     cfg1, cfg2 = configs if configs is not None else (
-        default_config(m / num_experts, 2 * f, hidden, rac=c13 is not None),
-        default_config(m / num_experts, hidden, f, rac=c2 is not None))
+        pick(m / num_experts, 2 * f, hidden, rac=c13 is not None),
+        pick(m / num_experts, hidden, f, rac=c2 is not None))
     cfg2 = cfg2._replace(block_m=cfg1.block_m)
     routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(m, 2 * f, dtype=x.dtype, device=x.device)
     if act_mode == "w4a16":
-        launch_gemm(x, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
-                    routing=routing, a_row_div=topk, config=cfg1)
+        xa = x[:, fragment_columns(hidden, x.device)].contiguous() if frag else x
+        launch_gemm(xa, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
+                    routing=routing, a_row_div=topk, config=cfg1, fragment_layout=frag)
         h = silu_and_mul(inter)
+        if frag:
+            h = h[:, fragment_columns(f, x.device)].contiguous()
     else:
-        qa = quantize_activation_rac(x, c13, w13_input_scale)
+        qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)
         if c13 is not None and w13_comp_weight is None:
             w13_comp_weight = rac_weight_columns(w13, w13_scale, c13)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_weight=w13_comp_weight if r is not None else None, routing=routing,
-                    a_row_div=topk, config=cfg1)
+                    a_row_div=topk, config=cfg1, fragment_layout=frag)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if act_mode == "w4a16":
         launch_gemm(h, None, w2, w2_scale, ws2_2, rows, m=m, w4a16=True, routing=routing,
-                    topk_weights=tw, config=cfg2)
+                    topk_weights=tw, config=cfg2, fragment_layout=frag)
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
-        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True)
+        qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
+                                     fragment_order=frag)
         r = None if c2 is None else (qh.r_values, qh.r_s_dec)
         if c2 is not None and w2_comp_weight is None:
             w2_comp_weight = rac_weight_columns(w2, w2_scale, c2)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_weight=w2_comp_weight if r is not None else None, routing=routing,
-                    topk_weights=tw, config=cfg2)
+                    topk_weights=tw, config=cfg2, fragment_layout=frag)
     return topk_sum(rows, topk)

@@ -1,0 +1,85 @@
+"""The byte order the fragment-layout GEMM (`gemm.launch_gemm(..., fragment_layout=True)`) reads its packed E2M1 codes in.
+
+ModelOpt stores a weight's codes row-major, two per byte ([.., N, K//2], low nibble first). The
+Hopper kernel instead loads, per thread and 128-wide K step, exactly the codes of its wgmma
+register fragment (rows n and n + 8, 32 of the 128 columns) with one 16-byte load, and decodes
+each 32-bit word to four f16x2 registers with one AND, a shift pair and four `cvt.e4m3x2`:
+byte i of a word carries code A_i at bits {7, 4..2} (an E4M3 byte equal to the value * 2^-6)
+and code B_i at bits {5, 6, 1..0} (moved to the same form by (w << 2) & 0x8C | (w >> 2) & 0x10).
+
+Tile atom: 64 rows x 128 columns of one expert = 1024 words, ordered [h 2][q 4][g 8][t 4][w 4]
+with row 16q + 8h + g and, for pair j (0-3) of word w and half b (0-1), column
+16 (2w + b) + 4t + j: the two halves of a pair sit in the 16-column blocks 2w and 2w + 1, so one
+f16x2 of the scales (s[2w], s[2w + 1], read straight from ModelOpt's scale layout) scales the
+whole word. Atoms are stored [N/64][K/128], so a 64-row tile streams contiguously along K.
+The block scales keep ModelOpt's layout; only the codes move. `to_fragment_order` and
+`from_fragment_order` are exact inverses on every byte (pure torch, any device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROWS = 64   # rows of one atom (a wgmma m64 tile of one warpgroup)
+COLS = 128  # columns of one atom (one K step of the kernel)
+_GEOMETRY = (4, 2, 8)        # n = 16 q + 8 h + g   -> dims (q, h, g)
+_COLUMNS = (4, 2, 4, 4)      # c = 32 w + 16 b + 4 t + j -> dims (w, b, t, j)
+
+
+def fragment_columns(k: int, device=None) -> torch.Tensor:
+    """Column order of the kernel's K axis: position p of a 128-wide step (p = 32 w + 8 j + 2 t + b)
+    multiplies weight column 16 (2w + b) + 4t + j of the step, so an activation enters the
+    fragment GEMM as x[:, fragment_columns(K)] (act_quant writes its fp16 values so directly)."""
+    if k % COLS:
+        raise ValueError(f"K = {k}: the fragment layout needs a multiple of {COLS}")
+    p = torch.arange(k, device=device)
+    return (p // 32) * 32 + (p % 2) * 16 + ((p // 2) % 4) * 4 + (p // 8) % 4
+
+
+def check_fragment_shape(codes: torch.Tensor, name: str = "weight") -> tuple:
+    """(N, K) of packed codes [..., N, K//2] uint8 that the fragment layout can hold."""
+    if codes.dtype != torch.uint8 or codes.ndim < 2:
+        raise ValueError(f"{name}: expected packed NVFP4 codes as uint8 [..., N, K//2], got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+    n, k = codes.shape[-2], codes.shape[-1] * 2
+    if n % ROWS or k % COLS:
+        raise ValueError(f"{name}: the fragment layout needs N a multiple of {ROWS} and K a "
+                         f"multiple of {COLS}, got N = {n}, K = {k} (shape {tuple(codes.shape)})")
+    return n, k
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
+    """ModelOpt packed codes [..., N, K//2] uint8 -> the same bytes in the kernel's fragment order
+    (same shape and dtype, a new contiguous tensor)."""
+    n, k = check_fragment_shape(codes)
+    lead = codes.shape[:-2]
+    c = _codes(codes.contiguous()).to(torch.int32)
+    c = c.reshape(*lead, n // ROWS, *_GEOMETRY, k // COLS, *_COLUMNS)
+    d = len(lead)
+    # dims: lead, R, q, h, g, S, w, b, t, j  ->  lead, R, S, h, q, g, t, w, j, b
+    c = c.permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 7, d + 5, d + 8, d + 6)
+    a = c[..., 0:2, :].flatten(-2)   # byte i = 2 j + b for pairs j = 0, 1
+    b = c[..., 2:4, :].flatten(-2)   # and for pairs j = 2, 3
+    byte = ((a & 8) << 4) | ((a & 7) << 2) | ((b & 8) << 2) | ((b & 4) << 4) | (b & 3)
+    return byte.to(torch.uint8).reshape(codes.shape)
+
+
+def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
+    """The exact inverse of `to_fragment_order`: fragment-order bytes -> ModelOpt packed codes."""
+    n, k = check_fragment_shape(frag, "fragment-order weight")
+    lead = frag.shape[:-2]
+    d = len(lead)
+    byte = frag.contiguous().to(torch.int32).reshape(
+        *lead, n // ROWS, k // COLS, 2, 4, 8, 4, 4, 4)   # lead, R, S, h, q, g, t, w, byte i
+    a = ((byte >> 4) & 8) | ((byte >> 2) & 7)
+    b = ((byte >> 2) & 8) | ((byte >> 4) & 4) | (byte & 3)
+    pair = lambda x: x.reshape(*x.shape[:-1], 2, 2)  # noqa: E731  (j, b)
+    c = torch.cat((pair(a), pair(b)), dim=-2)        # lead, R, S, h, q, g, t, w, j, b
+    # back to lead, R, q, h, g, S, w, b, t, j
+    c = c.permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 6, d + 8, d + 5, d + 7)
+    c = c.reshape(*lead, n, k)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
