@@ -9,7 +9,9 @@ captured in a CUDA graph, all in the same run:
             weight row per expert, one per activation row computed inside the layer);
   w4a16 / w4a4 / w4a4_rac   `quads_megatron.kernels.w4a4_fused_moe` (RAC with k channels: one set
             for fc1, one set per expert for fc2, and their weight columns built once, as SGLang's
-            `process_weights_after_loading` stores them).
+            `process_weights_after_loading` stores them), for each kernel of --kernels:
+            v2 (ModelOpt's packed layout) and v3 (the weights in `fragment_layout`'s order,
+            weight_layout="fragment"); the ratios and bandwidth columns use the last kernel listed.
 The timed region is the layer from (hidden states, top-k weights, top-k ids) to its output
 (routing sort included, router excluded). Before timing, each of our modes is checked against
 the torch reference (`quads_megatron.kernels.reference`) at the kernel tests' tolerances (bf16
@@ -22,6 +24,7 @@ RAC weight columns where the layer reads them) per layer time, against a device-
 (read + written bytes per second) measured in the same run.
 
     PYTHONPATH=. python3 tools/bench_moe_layer.py [--tokens 16 64 256 1024 4096] [--json out.json]
+    PYTHONPATH=. python3 tools/bench_moe_layer.py --sweep        # + v3 tile configs (--sweep-kernel v2)
     PYTHONPATH=. python3 tools/bench_moe_layer.py --device cpu --tiny   # CPU smoke run (interpreter)
 
 On CPU (--tiny) the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
@@ -41,7 +44,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 MODES = ("w4a16", "w4a4", "w4a4_rac")
-VARIANTS = ("bf16", "fp8") + MODES
+KERNELS = ("v2", "v3")  # v2: ModelOpt's packed layout; v3: fragment order (weight_layout="fragment")
+LAYOUT = {"v2": "modelopt", "v3": "fragment"}
 # tests/kernels/test_w4a4_kernels.py::_check_moe: bf16 outputs, and fp32 outputs
 # (1.5 x FP32_TOL: the fp32-accumulation level)
 TOL = {torch.bfloat16: 8e-3, torch.float32: 3e-6}
@@ -62,13 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--tiny", action="store_true",
-                   help="tiny shapes (8 experts, hidden 64, FFN 32, top-2, k 16, tokens 3)")
+                   help="tiny shapes (8 experts, hidden 128, FFN 128, top-2, k 16, tokens 3; v3 needs "
+                        "multiples of 128)")
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
+                   help="our kernels timed in the same run (the last one is the table's ratios)")
     p.add_argument("--sweep", action="store_true", help="also time w4a4 and w4a4_rac with several (fc1, fc2) tile configs")
+    p.add_argument("--sweep-kernel", choices=KERNELS, default="v3", help="the kernel --sweep times")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
     args = p.parse_args(argv)
     if args.tiny:
-        args.num_experts, args.hidden_size, args.moe_ffn_hidden_size = 8, 64, 32
+        args.num_experts, args.hidden_size, args.moe_ffn_hidden_size = 8, 128, 128
         args.moe_router_topk, args.rac_channels = 2, 16
         if "--tokens" not in (argv if argv is not None else sys.argv[1:]):
             args.tokens = [3]
@@ -90,6 +98,8 @@ class Experts(NamedTuple):
     w13_fp8_scale: torch.Tensor
     w2_fp8: torch.Tensor    # e4m3 [E, H, F], scales [E, H]
     w2_fp8_scale: torch.Tensor
+    w13_frag: tuple  # w13 / w2 with the codes in fragment order (the v3 kernel's load-time layout)
+    w2_frag: tuple
 
 
 def random_nvfp4(e: int, n: int, k: int, gen: torch.Generator, dev) -> tuple:
@@ -116,6 +126,7 @@ def comp_channels(k_in: int, k: int, groups: Optional[int], gen: torch.Generator
 
 
 def build_experts(args, gen: torch.Generator, dev) -> Experts:
+    from quads_megatron.kernels.fragment_layout import to_fragment_order
     from quads_megatron.kernels.rac_columns import rac_weight_columns
     from quads_megatron.kernels.reference import dequantize_weight
 
@@ -127,7 +138,8 @@ def build_experts(args, gen: torch.Generator, dev) -> Experts:
     w13_fp8, w13_fp8_scale = fp8_rows(w13_bf16)
     w2_fp8, w2_fp8_scale = fp8_rows(w2_bf16)
     return Experts(w13, w2, c13, c2, rac_weight_columns(w13[0], w13[1], c13), rac_weight_columns(w2[0], w2[1], c2),
-                   w13_bf16, w2_bf16, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale)
+                   w13_bf16, w2_bf16, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale,
+                   (to_fragment_order(w13[0]),) + w13[1:], (to_fragment_order(w2[0]),) + w2[1:])
 
 
 def random_routing(t: int, e: int, topk: int, gen: torch.Generator, dev) -> tuple:
@@ -230,30 +242,39 @@ def bf16_fake_quant(v: torch.Tensor) -> torch.Tensor:
 
 
 # ---- our layer ----------------------------------------------------------------------------
-def quads_layer(mode: str, backend: str = "triton", configs: Optional[tuple] = None) -> Callable:
+def quads_layer(mode: str, backend: str = "triton", configs: Optional[tuple] = None,
+                kernel: str = "v2") -> Callable:
     """(x, topk_weights, topk_ids, experts) -> w4a4_fused_moe in `mode` (no host syncs: check_inputs=False);
-    configs: (fc1, fc2) GemmConfigs instead of the defaults (--sweep)."""
+    configs: (fc1, fc2) GemmConfigs instead of the defaults (--sweep); kernel: v2 | v3 (the
+    weights in fragment order; the torch backend reads the ModelOpt ones)."""
     from quads_megatron.kernels import reference, w4a4_fused_moe
 
     op = w4a4_fused_moe if backend == "triton" else reference.w4a4_fused_moe
     rac = mode == "w4a4_rac"
 
     def layer(x, topk_weights, topk_ids, w: Experts):
-        extra = {}
+        extra, w13, w2 = {}, w.w13, w.w2
         if backend == "triton":
             extra = dict(backend="triton", w13_comp_weight=w.w13_cols if rac else None,
-                         w2_comp_weight=w.w2_cols if rac else None, configs=configs)
-        return op(x, *w.w13, *w.w2, topk_weights, topk_ids, act_mode=mode,
+                         w2_comp_weight=w.w2_cols if rac else None, configs=configs,
+                         weight_layout=LAYOUT[kernel])
+            if kernel == "v3":
+                w13, w2 = w.w13_frag, w.w2_frag
+        return op(x, *w13, *w2, topk_weights, topk_ids, act_mode=mode,
                   w13_comp_index=w.c13 if rac else None, w2_comp_index=w.c2 if rac else None,
                   check_inputs=False, **extra)
     return layer
+
+
+def variant_name(kernel: str, mode: str) -> str:
+    return f"{kernel} {mode}"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def check_variants(x, tw, ti, w: Experts) -> tuple:
+def check_variants(x, tw, ti, w: Experts, kernels=("v2",)) -> tuple:
     """({variant: {case: (relative error, tolerance)}} of every variant against its reference,
     {mode: per-token agreement stats of the fp32 W4A4 checks})."""
     checks, agreement = {}, {}
@@ -264,20 +285,21 @@ def check_variants(x, tw, ti, w: Experts) -> tuple:
     w2_8 = w.w2_fp8.float() * w.w2_fp8_scale.unsqueeze(-1)
     checks["fp8"] = {"loop": (rel_err(fp8_layer(x, tw, ti, w), loop_layer(x, tw, ti, w13_8, w2_8, fp8_fake_quant)),
                               BASELINE_TOL)}
-    for mode in MODES:
-        checks[mode] = {}
+    for kernel, mode in ((k, m) for k in kernels for m in MODES):
+        name = variant_name(kernel, mode)
+        checks[name] = {}
         for dtype in (torch.bfloat16, torch.float32):
             xd = x.to(dtype)
-            ours = quads_layer(mode)(xd, tw, ti, w)
+            ours = quads_layer(mode, kernel=kernel)(xd, tw, ti, w)
             ref = quads_layer(mode, backend="torch")(xd, tw, ti, w)
             if dtype == torch.float32 and mode != "w4a16":  # per token: rare E2M1 code flips of fc2's input
                 from quads_megatron.kernels.reference import w4a4_moe_agreement
 
                 ok, stats = w4a4_moe_agreement(ours, ref, TOL[dtype])
-                agreement[mode] = stats
-                checks[mode]["float32 per token"] = (stats["median"] if ok else float("inf"), TOL[dtype])
+                agreement[name] = stats
+                checks[name]["float32 per token"] = (stats["median"] if ok else float("inf"), TOL[dtype])
                 continue
-            checks[mode][str(dtype).split(".")[-1]] = (rel_err(ours, ref), TOL[dtype])
+            checks[name][str(dtype).split(".")[-1]] = (rel_err(ours, ref), TOL[dtype])
     return checks, agreement
 
 
@@ -308,11 +330,25 @@ def kernel_profile(fn: Callable, calls: int = 5) -> list:
     return sorted(per.items(), key=lambda kv: -kv[1])
 
 
-def sweep_configs(t: int, e: int, topk: int) -> list:
-    """Candidate (fc1, fc2) GemmConfigs for the layer at t tokens (--sweep), the default first."""
+def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
+    """Candidate (fc1, fc2) GemmConfigs for the layer at t tokens (--sweep), the default first
+    (v3: K step 128, N tiles of 64 rows per 4 warps)."""
     from quads_megatron.kernels.gemm import GemmConfig as C
 
     rows = t * topk / e
+    if kernel == "v3":
+        if rows <= 32:
+            cands = [C(16, 64, 128, 4, 4, 8, True), C(16, 64, 128, 4, 6, 8, True),
+                     C(16, 128, 128, 4, 4, 8, True), C(16, 128, 128, 8, 4, 8, True),
+                     C(32, 64, 128, 4, 4, 8, True), C(16, 64, 128, 4, 3, 8, True)]
+        elif rows <= 128:
+            cands = [C(64, 128, 128, 8, 3), C(64, 128, 128, 8, 4), C(64, 64, 128, 4, 3),
+                     C(32, 64, 128, 4, 4, 8, True), C(32, 128, 128, 8, 4, 8, True),
+                     C(64, 64, 128, 4, 4, 8, True)]
+        else:
+            cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
+                     C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4)]
+        return [None] + [(c, c) for c in cands]
     if rows <= 32:
         cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,
                  (C(16, 128, 128, 8, 3, 8, True),) * 2, (C(16, 128, 128, 8, 4, 8, True),) * 2]
@@ -343,14 +379,21 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "n/a"
 
 
-def table(rows: list, copy_bw: float) -> str:
-    """Markdown: per T the ms of each variant, RAC vs FP8 / BF16 (>1: ours faster), RAC over W4A4, weight bandwidth."""
-    lines = ["| tokens | experts hit | BF16 ms | FP8 ms | w4a16 ms | w4a4 ms | w4a4_rac ms | RAC vs FP8 | RAC vs BF16 | "
-             "RAC over W4A4 | RAC weight TB/s (% of copy) | checks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def table(rows: list, copy_bw: float, kernels=("v2",)) -> str:
+    """Markdown: per T the ms of each variant, then for the last kernel: RAC vs FP8 / BF16 (>1: ours
+    faster), RAC over W4A4, weight bandwidth; with two kernels also the last one's RAC speed-up over
+    the first's."""
+    names = [variant_name(k, m) for k in kernels for m in MODES]
+    last = kernels[-1]
+    lines = ["| tokens | experts hit | BF16 ms | FP8 ms | " + " | ".join(f"{n} ms" for n in names)
+             + f" | {last} RAC vs FP8 | {last} RAC vs BF16 | {last} RAC over W4A4 | "
+             f"{last} RAC weight TB/s (% of copy) | "
+             + (f"{last} RAC vs {kernels[0]} RAC | " if len(kernels) > 1 else "") + "checks |",
+             "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"
+             + ("---|" if len(kernels) > 1 else "") + "---|"]
     for r in rows:
         ms = r["ms"]
-        rac, w4 = ms.get("w4a4_rac"), ms.get("w4a4")
+        rac, w4 = ms.get(variant_name(last, "w4a4_rac")), ms.get(variant_name(last, "w4a4"))
         cost = f"{100 * (rac / w4 - 1):+.0f}%" if isinstance(rac, float) and isinstance(w4, float) else "n/a"
         if isinstance(rac, float) and copy_bw == copy_bw:
             tbps = r["rac_weight_bytes"] / (rac * 1e-3)
@@ -358,9 +401,12 @@ def table(rows: list, copy_bw: float) -> str:
         else:
             bw = "n/a"
         bad = [f"{v}/{c}" for v, cs in r["checks"].items() for c, (err, tol) in cs.items() if not err < tol]
+        vs = (f"{_ratio(ms.get(variant_name(kernels[0], 'w4a4_rac')), rac)} | "
+              if len(kernels) > 1 else "")
         lines.append(f"| {r['tokens']} | {r['experts_hit']} | {_ms(ms.get('bf16'))} | {_ms(ms.get('fp8'))} | "
-                     f"{_ms(ms.get('w4a16'))} | {_ms(w4)} | {_ms(rac)} | {_ratio(ms.get('fp8'), rac)} | "
-                     f"{_ratio(ms.get('bf16'), rac)} | {cost} | {bw} | {'FAIL ' + ', '.join(bad) if bad else 'ok'} |")
+                     + " | ".join(_ms(ms.get(n)) for n in names)
+                     + f" | {_ratio(ms.get('fp8'), rac)} | {_ratio(ms.get('bf16'), rac)} | {cost} | {bw} | "
+                     + vs + f"{'FAIL ' + ', '.join(bad) if bad else 'ok'} |")
     return "\n".join(lines)
 
 
@@ -370,14 +416,15 @@ def run(args) -> dict:
     dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(args.seed)
     w = build_experts(args, gen, dev)
-    layers = {"bf16": bf16_layer, "fp8": fp8_layer, **{m: quads_layer(m) for m in MODES}}
+    layers = {"bf16": bf16_layer, "fp8": fp8_layer,
+              **{variant_name(k, m): quads_layer(m, kernel=k) for k in args.kernels for m in MODES}}
     copy_bw = copy_bandwidth(dev)
     rows = []
     for t in args.tokens:
         tw, ti = random_routing(t, args.num_experts, args.moe_router_topk, gen, dev)
         x = activations(t, args.hidden_size, gen, dev)
         hit = int(ti.unique().numel())
-        checks, agreement = check_variants(x, tw, ti, w)
+        checks, agreement = check_variants(x, tw, ti, w, args.kernels)
         ms = {}
         for name, layer in layers.items():
             try:
@@ -386,16 +433,19 @@ def run(args) -> dict:
                 ms[name] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
         if args.sweep:
             ms["sweep"] = {}
-            for cfgs in sweep_configs(t, args.num_experts, args.moe_router_topk):
+            for cfgs in sweep_configs(t, args.num_experts, args.moe_router_topk, args.sweep_kernel):
                 for mode in ("w4a4", "w4a4_rac"):
-                    layer = quads_layer(mode, configs=cfgs)
-                    key = mode + " " + ("default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs))
+                    layer = quads_layer(mode, configs=cfgs, kernel=args.sweep_kernel)
+                    key = (variant_name(args.sweep_kernel, mode) + " "
+                           + ("default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs)))
                     try:
                         ms["sweep"][key] = layer_ms(lambda: layer(x, tw, ti, w), dev, args.iters, args.reps)
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
                         ms["sweep"][key] = f"ERR {type(exc).__name__}: {str(exc)[:80]}"
         if args.profile and dev.type == "cuda":
-            ms["profile"] = {name: kernel_profile(lambda: layers[name](x, tw, ti, w)) for name in ("fp8", "w4a4", "w4a4_rac")}
+            ms["profile"] = {name: kernel_profile(lambda: layers[name](x, tw, ti, w))
+                             for name in ["fp8"] + [variant_name(k, m) for k in args.kernels
+                                                    for m in ("w4a4", "w4a4_rac")]}
         row = dict(tokens=t, experts_hit=hit, ms=ms, checks=checks, agreement=agreement,
                    weight_bytes=weight_bytes(args, hit, False), rac_weight_bytes=weight_bytes(args, hit, True))
         rows.append(row)
@@ -407,7 +457,7 @@ def run(args) -> dict:
                 torch=torch.__version__, triton=triton.__version__, num_experts=args.num_experts,
                 hidden_size=args.hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                 moe_router_topk=args.moe_router_topk, rac_channels=args.rac_channels, iters=args.iters,
-                reps=args.reps, graphs=dev.type == "cuda", copy_bytes_per_s=copy_bw)
+                reps=args.reps, graphs=dev.type == "cuda", copy_bytes_per_s=copy_bw, kernels=args.kernels)
     return dict(meta=meta, rows=rows)
 
 
@@ -428,7 +478,7 @@ def main(argv=None) -> int:
            else f"median of {args.iters} eager calls, Triton interpreter")
     print(f"\n{res['meta']['device']}, {res['meta']['date']}; copy bandwidth (read + write) {bw / 1e12:.2f} TB/s; "
           f"RAC k = {args.rac_channels}; ms per layer ({how})")
-    print(table(res["rows"], bw))
+    print(table(res["rows"], bw, args.kernels))
     for r in res["rows"]:
         for key, v in r["ms"].get("sweep", {}).items():
             print(f"  T={r['tokens']} {key}: {_ms(v)} ms")
