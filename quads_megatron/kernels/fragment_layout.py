@@ -49,6 +49,7 @@ def check_fragment_shape(codes: torch.Tensor, name: str = "weight") -> tuple:
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 codes [..., K] (twice the packed bytes, not 8x as int32)."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
@@ -57,7 +58,7 @@ def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
     (same shape and dtype, a new contiguous tensor)."""
     n, k = check_fragment_shape(codes)
     lead = codes.shape[:-2]
-    c = _codes(codes.contiguous()).to(torch.int32)
+    c = _codes(codes.contiguous())
     c = c.reshape(*lead, n // ROWS, *_GEOMETRY, k // COLS, *_COLUMNS)
     d = len(lead)
     # dims: lead, R, q, h, g, S, w, b, t, j  ->  lead, R, S, h, q, g, t, w, j, b
@@ -65,7 +66,7 @@ def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
     a = c[..., 0:2, :].flatten(-2)   # byte i = 2 j + b for pairs j = 0, 1
     b = c[..., 2:4, :].flatten(-2)   # and for pairs j = 2, 3
     byte = ((a & 8) << 4) | ((a & 7) << 2) | ((b & 8) << 2) | ((b & 4) << 4) | (b & 3)
-    return byte.to(torch.uint8).reshape(codes.shape)
+    return byte.reshape(codes.shape)
 
 
 def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,7 @@ def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
     n, k = check_fragment_shape(frag, "fragment-order weight")
     lead = frag.shape[:-2]
     d = len(lead)
-    byte = frag.contiguous().to(torch.int32).reshape(
+    byte = frag.contiguous().reshape(
         *lead, n // ROWS, k // COLS, 2, 4, 8, 4, 4, 4)   # lead, R, S, h, q, g, t, w, byte i
     a = ((byte >> 4) & 8) | ((byte >> 2) & 7)
     b = ((byte >> 2) & 8) | ((byte >> 4) & 4) | (byte & 3)
@@ -82,4 +83,4 @@ def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
     # back to lead, R, q, h, g, S, w, b, t, j
     c = c.permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 6, d + 8, d + 5, d + 7)
     c = c.reshape(*lead, n, k)
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)

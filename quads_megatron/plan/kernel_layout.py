@@ -1,0 +1,51 @@
+"""The rollout kernels' weight layout: the one load-time step from a checkpoint's NVFP4 codes to the byte order the fused GEMM reads.
+
+Checkpoints, export, refit sources and the wire format keep ModelOpt's packed codes
+([..., N, K/2] uint8, two E2M1 codes per byte; `layout.nvfp4_weight_specs`). The v3 GEMM
+(`kernels.fragment_layout`) reads them pre-permuted into its wgmma register-fragment order, a
+same-shape, same-dtype byte permutation of the codes only (block scales and global scales keep
+their layout). Every place that puts rollout weights where the kernels read them calls
+`to_kernel_layout` once per load, into the same buffer (`out=`, so captured CUDA graphs keep
+their pointers), and passes ``weight_layout=KERNEL_WEIGHT_LAYOUT`` to `w4a4_fused_moe` /
+`w4a4_linear`; `from_kernel_layout` is its exact inverse (checks, RAC columns, the BF16 sync).
+
+The permutation is local to 64-row tiles: the rows [r0, r1) of a converted matrix (r0, r1
+multiples of 64) are the conversion of rows [r0, r1) alone, so gate and up halves, single experts
+and N-sharded slices convert independently; a K-sharded weight converts its local shard.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from quads_megatron.kernels.fragment_layout import (COLS, ROWS, check_fragment_shape,
+                                                    from_fragment_order, to_fragment_order)
+
+KERNEL_WEIGHT_LAYOUT = "fragment"  # the `weight_layout=` the kernels take for these bytes
+
+
+def kernel_layout_fits(n: int, k: int) -> bool:
+    """True when an [N, K] NVFP4 weight can take the kernel layout (N % 64 == 0, K % 128 == 0)."""
+    return n % ROWS == 0 and k % COLS == 0
+
+
+def to_kernel_layout(codes: torch.Tensor, out: Optional[torch.Tensor] = None,
+                     name: str = "weight") -> torch.Tensor:
+    """ModelOpt packed codes [..., N, K/2] uint8 -> the kernel's byte order (a new tensor, or
+    written into `out`, which may be `codes` itself: an in-place reload)."""
+    check_fragment_shape(codes, name)
+    frag = to_fragment_order(codes)
+    if out is None:
+        return frag
+    if out.shape != codes.shape or out.dtype != torch.uint8:
+        raise ValueError(f"{name}: out must be uint8 {tuple(codes.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out.copy_(frag)
+
+
+def from_kernel_layout(frag: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """The exact inverse of `to_kernel_layout`: the kernel's bytes -> ModelOpt packed codes."""
+    check_fragment_shape(frag, name)
+    return from_fragment_order(frag)

@@ -1,0 +1,68 @@
+"""plan.kernel_layout: the one load-time conversion of rollout NVFP4 codes to the kernels' byte order."""
+
+import pytest
+import torch
+
+from quads_megatron.kernels import reference, w4a4_fused_moe
+from quads_megatron.kernels.ops import WEIGHT_LAYOUTS
+from quads_megatron.nvfp4 import quantize
+from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout,
+                                               kernel_layout_fits, to_kernel_layout)
+
+
+def _codes(*shape, seed=0):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_in_place_reload_keeps_the_buffer_and_round_trips():
+    ckpt = _codes(4, 128, 128)
+    buf = ckpt.clone()
+    ptr = buf.data_ptr()
+    out = to_kernel_layout(buf, out=buf)            # a reload into the buffer a CUDA graph reads
+    assert out.data_ptr() == ptr and buf.data_ptr() == ptr
+    assert not torch.equal(buf, ckpt)
+    assert torch.equal(from_kernel_layout(buf), ckpt)
+    fresh = ckpt.clone()
+    to_kernel_layout(_codes(4, 128, 128, seed=1), out=buf)  # the next weight update, same buffer
+    to_kernel_layout(fresh, out=fresh)
+    assert buf.data_ptr() == ptr and not torch.equal(buf, fresh)
+
+
+def test_row_tiles_convert_independently():
+    """Gate and up halves, one expert, an N shard: each converts alone to the same bytes."""
+    w13 = _codes(3, 256, 64)     # [E, 2F, H/2] with F = 128, H = 128
+    whole = to_kernel_layout(w13)
+    assert torch.equal(whole[1], to_kernel_layout(w13[1]))
+    assert torch.equal(whole[:, 128:], to_kernel_layout(w13[:, 128:]))
+    assert torch.equal(whole[2, 64:192], to_kernel_layout(w13[2, 64:192]))
+
+
+def test_fits_and_errors():
+    assert kernel_layout_fits(1536, 2048) and kernel_layout_fits(2048, 768)
+    assert not kernel_layout_fits(96, 2048) and not kernel_layout_fits(64, 64)
+    with pytest.raises(ValueError, match="w2: the fragment layout needs N a multiple of 64"):
+        to_kernel_layout(_codes(32, 64), name="w2")
+    with pytest.raises(ValueError, match="w13: out must be uint8"):
+        to_kernel_layout(_codes(64, 64), out=torch.zeros(64, 32, dtype=torch.uint8), name="w13")
+
+
+def test_the_ops_read_converted_weights():
+    """The layout name is one the ops take, and the op on converted weights is the op on ModelOpt's
+    (torch backend: it reads them back; the Triton path is tested in tests/kernels)."""
+    assert KERNEL_WEIGHT_LAYOUT in WEIGHT_LAYOUTS
+    gen = torch.Generator().manual_seed(2)
+    e, h, f, t = 2, 128, 128, 3
+    qs13 = [quantize(torch.randn(2 * f, h, generator=gen) * 0.05) for _ in range(e)]
+    qs2 = [quantize(torch.randn(h, f, generator=gen) * 0.05) for _ in range(e)]
+    w13 = [torch.stack([getattr(q, a) for q in qs13]) for a in ("data", "scale")]
+    w2 = [torch.stack([getattr(q, a) for q in qs2]) for a in ("data", "scale")]
+    g13 = torch.stack([q.global_scale.reshape(()) for q in qs13])
+    g2 = torch.stack([q.global_scale.reshape(()) for q in qs2])
+    x = torch.randn(t, h, generator=gen)
+    tw, ti = torch.topk(torch.randn(t, e, generator=gen).softmax(-1), 1)
+    ref = reference.w4a4_fused_moe(x, w13[0], w13[1], g13, w2[0], w2[1], g2, tw, ti.int(),
+                                   act_mode="w4a16")
+    out = w4a4_fused_moe(x, to_kernel_layout(w13[0]), w13[1], g13, to_kernel_layout(w2[0]), w2[1],
+                         g2, tw, ti.int(), act_mode="w4a16", backend="torch",
+                         weight_layout=KERNEL_WEIGHT_LAYOUT)
+    assert torch.equal(out, ref)
