@@ -9,7 +9,8 @@ from HBM, not L2), median of the replays; our ops skip the host-syncing checks.
 
 Per size: cuBLAS BF16, the op as dispatched (w4a16 / w4a4 / w4a4_rac), and both W4A4 forms timed
 explicitly with their default configs: "two" = act_quant pre-pass + GEMM (+ split-K sum launch),
-"fused" = `linear_fused` (one launch); "same" says whether they gave the same bits.
+"fused" = `linear_fused` (one launch); "same" says whether the two forms gave the same bits
+under the fused default config.
 --sweep also times the parts (pre-pass alone; the GEMM alone, w4a16 and w4a4_rac on a
 pre-quantized activation) and the fused RAC launch under several tile / split-K / amax-step
 configs, the default first; the summary names the fastest of each, to set `FUSED_MAX_M`,
@@ -72,10 +73,11 @@ def main(argv=None) -> int:
     from quads_megatron.kernels import w4a4_linear
     from quads_megatron.kernels.act_quant import quantize_activation_rac
     from quads_megatron.kernels.gemm import launch_gemm
-    from quads_megatron.kernels.linear_fused import FUSED_MAX_M, w4a4_linear_fused
+    from quads_megatron.kernels.linear_fused import FUSED_MAX_M, fused_config, w4a4_linear_fused
     from quads_megatron.kernels.rac_columns import rac_weight_columns
 
     dev = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -118,8 +120,8 @@ def main(argv=None) -> int:
                 tag = "rac" if rac else "w4a4"
                 ms[f"two {tag}"] = time_ms(lambda: two(rac), device="cuda", iters=args.iters, mode="graph", reps=COPIES)
                 ms[f"fused {tag}"] = time_ms(lambda: fused(rac), device="cuda", iters=args.iters, mode="graph", reps=COPIES)
-                it = iter(range(10 ** 9))  # both on weight copy 0: same inputs
-                a = two(rac).clone()
+                it = iter(range(10 ** 9))  # both on weight copy 0, both under the fused config: same bits
+                a = two(rac, fused_config(m, n, k, num_sms)).clone()
                 it = iter(range(10 ** 9))
                 same = same and torch.equal(fused(rac), a)
             ms["same"] = same
