@@ -11,7 +11,7 @@ thread and step, instructions per weight (all, and the decode's LOP3/SHF/PRMT/F2
 alone), the shared-memory stores, ldmatrix and shuffles inside the K loop (a round trip of the
 decoded tile shows there: v2's convert_layout to the dot operand lowers to STS + LDSM; v3 loads
 words and scales by cp.async straight into the fragment layout and has none in swap-AB tiles), and
-whether every wgmma takes A from registers.
+whether every wgmma takes A from registers, registers per thread and spilled bytes.
 """
 
 from __future__ import annotations
@@ -58,16 +58,25 @@ def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
-def sass_text(cubin: bytes) -> str:
-    """cuobjdump -sass of a cubin, with the cuobjdump Triton ships."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump `flag` (-sass, -res-usage) of a cubin, with the cuobjdump Triton ships."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], check=True, capture_output=True,
+        return subprocess.run([tool, flag, f.name], check=True, capture_output=True,
                               text=True).stdout
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and local-memory bytes (spills) of the kernel."""
+    usage = cuobjdump(cubin, "-res-usage")
+    regs = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_bytes=int(local.group(1)) if local else None)
 
 
 def main_loop_ops(sass: str) -> collections.Counter:
@@ -91,7 +100,7 @@ def main_loop_ops(sass: str) -> collections.Counter:
 
 def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12) -> dict:
     c = compile_gemm(cfg, frag, w4a16)
-    ops = main_loop_ops(sass_text(c.asm["cubin"]))
+    ops = main_loop_ops(cuobjdump(c.asm["cubin"], "-sass"))
     total = sum(ops.values())
     decode = sum(v for k, v in ops.items()
                  if k.split(".")[0] in DECODE_OPS or k.startswith("IMAD.SHL"))
@@ -105,6 +114,7 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12) -> dict:
                 loop_sts_ldsm_shfl=sum(v for k, v in ops.items()
                                        if k.startswith(("STS", "LDSM", "SHFL"))),
                 wgmma_a_from_registers=bool(wgmma) and all(w == "{" for w in wgmma),
+                **resources(c.asm["cubin"]),
                 ops=dict(ops.most_common(args_top)))
 
 

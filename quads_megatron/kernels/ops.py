@@ -21,6 +21,7 @@ while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -54,6 +55,12 @@ def _check_layout(weight_layout: str, **weights) -> bool:
         for name, w in weights.items():
             check_fragment_shape(w, name)
     return weight_layout == "fragment"
+
+
+@functools.lru_cache(maxsize=None)
+def _k_order(k: int, device: torch.device) -> torch.Tensor:
+    """`fragment_columns(k)` on `device`, built once (the W4A16 activations' gather index)."""
+    return fragment_columns(k, device)
 
 
 def _same_device(x: torch.Tensor, **tensors) -> None:
@@ -110,7 +117,7 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     w, ws, ws2 = weight.unsqueeze(0), weight_scale.unsqueeze(0), weight_scale_2.reshape(1)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     if act_mode == "w4a16":
-        a = x2d[:, fragment_columns(k, x.device)].contiguous() if frag else x2d
+        a = x2d[:, _k_order(k, x.device)].contiguous() if frag else x2d
         launch_gemm(a, None, w, ws, ws2, out, m=m, w4a16=True, bias=b, fragment_layout=frag)
     else:
         cols = None
@@ -189,12 +196,12 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(m, 2 * f, dtype=x.dtype, device=x.device)
     if act_mode == "w4a16":
-        xa = x[:, fragment_columns(hidden, x.device)].contiguous() if frag else x
+        xa = x[:, _k_order(hidden, x.device)].contiguous() if frag else x
         launch_gemm(xa, None, w13, w13_scale, ws13_2, inter, m=m, w4a16=True,
                     routing=routing, a_row_div=topk, config=cfg1, fragment_layout=frag)
         h = silu_and_mul(inter)
         if frag:
-            h = h[:, fragment_columns(f, x.device)].contiguous()
+            h = h[:, _k_order(f, x.device)].contiguous()
     else:
         qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)
