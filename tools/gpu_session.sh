@@ -2,6 +2,8 @@
 # The GPU runs behind docs/results.md and docs/benchmarks.md, in stages, on a machine with one CUDA GPU.
 #   bash tools/gpu_session.sh check pretrain ablations   # GPU tests; pretrain moe-240m; the paper tools
 #   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
+#   bash tools/gpu_session.sh pretrain stability         # the 300-step RL stability study, detached; then
+#   WAIT_S=560 bash tools/gpu_session.sh stability-wait  # in each following call (machine still held): poll, collect
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
 #   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
 #                                                        # then the same job with the local engine
@@ -13,7 +15,8 @@ OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-CKPT=runs/moe-240m-hf
+CKPT=${CKPT:-runs/moe-240m-hf}
+STUDY=runs/rl_stability
 PRETRAIN_ITERS=${PRETRAIN_ITERS:-250}
 RL_ITERS=${RL_ITERS:-50}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
@@ -61,6 +64,26 @@ for s in "$@"; do
       $PY tools/paper_rl_stability.py --hf-checkpoint "$CKPT" --seq-length 48 --max-new-tokens 16 \
           --out-json "$OUT/rl_stability.json" --out-png "$OUT/rl_stability.png" -- --train-iters "$RL_ITERS" \
           "${RL_FLAGS[@]}" 2>&1 | grep -E "summary|wrote|Error|error" | tail -8 ;;
+    stability)
+      # issue 24: five rows x STABILITY_ITERS GRPO steps on the pretrained preset (two seeds of the naive rows), on a
+      # task the SFT warm-up does not solve, all runs at once on the GPU. Detached (setsid) so it outlives this call
+      # while the machine is held; `stability-wait` polls it and brings the results and the run logs back.
+      stage stability
+      mkdir -p "$STUDY"
+      OMP_NUM_THREADS=2 setsid nohup $PY tools/paper_rl_stability.py --hf-checkpoint "$CKPT" --task "${RL_TASK:-sort:10}" \
+          --seq-length 32 --max-new-tokens 12 --sft-iters 30 --seeds 1 --naive-seeds 1,2 --jobs 7 --work-dir "$STUDY" \
+          --save-interval 0 --out-json "$STUDY/rl_stability.json" --out-png "$STUDY/rl_stability.png" -- \
+          --train-iters "${STABILITY_ITERS:-300}" --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 16 \
+          --n-samples-per-prompt 8 --eval-interval 25 --lr 2e-5 > "$STUDY/tool.log" 2>&1 < /dev/null &
+      sleep 60; tail -3 "$STUDY/tool.log" ;;
+    stability-wait)
+      stage stability-wait
+      end=$((SECONDS + ${WAIT_S:-540}))
+      while [ $SECONDS -lt $end ] && ! grep -q "^wrote" "$STUDY/tool.log"; do sleep 15; done
+      for f in "$STUDY"/*seed*.log; do echo "$(basename "$f"): $(grep -E '^step ' "$f" | tail -1)"; done
+      tail -2 "$STUDY/tool.log"
+      cp "$STUDY"/rl_stability.json "$STUDY"/rl_stability.png "$OUT"/ 2>/dev/null
+      tar czf "$OUT/rl_stability_logs.tgz" -C "$STUDY" $(cd "$STUDY" && ls *.log) ;;
     sglang)
       # SGLang's server with --quantization quads: agreement, weight updates, throughput (SGLANG_ARGS picks)
       stage sglang
@@ -80,7 +103,7 @@ for s in "$@"; do
           --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --use-rollout-routing-replay "${extra[@]}" \
           --tensorboard-dir "$OUT/tb-$s" --summary-json "$OUT/$s.json" --no-progress 2>&1 \
           | grep -E "summary|step .*0 \||Error|error" | tail -12 ;;
-    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, sglang, sglang-grpo, grpo)"; exit 2 ;;
+    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, stability, stability-wait, sglang, sglang-grpo, grpo)"; exit 2 ;;
   esac
 done
 stage done

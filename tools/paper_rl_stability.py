@@ -4,9 +4,10 @@ with rollout routing replay (R3), same seeds.
 Runs the GRPO job (quads_megatron.rl) once per row and seed with identical flags otherwise; writes every run's
 per-step reward, pass@1, mean and p99 of the |rollout - trainer| log-prob gap, KL, routing disagreement and
 gradient norm as JSON, and one PNG panel per metric. Resumable: with --work-dir a finished run is read back
-and not rerun, and an unfinished one continues from its last GRPO checkpoint (--save-interval steps).
+and not rerun, and an unfinished one continues from its last GRPO checkpoint (--save-interval steps). With
+--jobs N the runs go N at a time as separate processes (one H200 holds several jobs of the GPU preset).
 
-    python tools/paper_rl_stability.py --hf-checkpoint runs/moe-240m-hf --seeds 1 --naive-seeds 1,2 \\
+    python tools/paper_rl_stability.py --hf-checkpoint runs/moe-240m-hf --seeds 1 --naive-seeds 1,2 --jobs 7 \\
         --work-dir runs/paper/rl_stability -- --train-iters 300
 """
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from quads_megatron.errors import ConfigError, run_cli
@@ -83,6 +86,55 @@ def run_one(args, row: str, seed: int, work: Path) -> dict:
     return done
 
 
+_RUN_SELECTORS = ("--rows", "--seeds", "--naive-seeds", "--jobs", "--out-json", "--out-png")
+
+
+def child_argv(argv: list[str], row: str, seed: int, work: Path) -> list[str]:
+    """This invocation's flags for one (row, seed) run: the run selectors and outputs replaced, the rest
+    (checkpoint, task, GRPO flags after --) kept."""
+    head, tail = (argv[:argv.index("--")], argv[argv.index("--"):]) if "--" in argv else (argv, [])
+    kept, skip = [], False
+    for a in head:
+        if skip:
+            skip = False
+        elif a in _RUN_SELECTORS:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in _RUN_SELECTORS)):
+            kept.append(a)
+    slug = _slug(row, seed)
+    return [*kept, "--rows", row, "--seeds", str(seed), "--naive-seeds", str(seed), "--work-dir", str(work),
+            "--out-json", str(work / f"{slug}.summary.json"), "--out-png", str(work / f"{slug}.png"), *tail]
+
+
+def run_concurrently(argv: list[str], planned: list[tuple[str, int]], work: Path, jobs: int) -> None:
+    """Run the unfinished runs as separate processes, ``jobs`` at a time (each log: WORK/<run>.log); the
+    caller then reads every record back. A failed run is named with its log."""
+    todo = [(row, seed) for row, seed in planned if not (work / f"{_slug(row, seed)}.json").exists()]
+    running: list[tuple[str, subprocess.Popen]] = []
+    failed = []
+
+    def reap(block: bool):
+        while running and (block or len(running) >= jobs):
+            for item in list(running):
+                if item[1].poll() is not None:
+                    running.remove(item)
+                    if item[1].returncode:
+                        failed.append(item[0])
+            time.sleep(2)
+            block = block and bool(running)
+
+    for row, seed in todo:
+        reap(block=False)
+        slug = _slug(row, seed)
+        log = open(work / f"{slug}.log", "a")
+        print(f"[rl_stability] start {row}, seed {seed} (log {log.name})", flush=True)
+        running.append((slug, subprocess.Popen([sys.executable, __file__, *child_argv(argv, row, seed, work)],
+                                               stdout=log, stderr=subprocess.STDOUT)))
+    reap(block=True)
+    if failed:
+        raise ConfigError(f"rl_stability: runs failed: {', '.join(f'{s} (log {work / s}.log)' for s in failed)}")
+
+
 def plot(runs: list[dict], path) -> None:
     from quads_megatron.apps.study import plots
 
@@ -133,15 +185,21 @@ def main(argv=None) -> dict:
                    "a rerun skips finished runs and resumes unfinished ones (default: a temporary directory)")
     p.add_argument("--save-interval", type=int, default=50,
                    help="GRPO checkpoint every N steps with --work-dir, so a cut run resumes (0: none)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each its own process (needs --work-dir)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     planned = plan_runs(args)
+    if args.jobs > 1 and not args.work_dir:
+        raise ConfigError("--jobs > 1: give --work-dir (the runs hand their records over through it)")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         if not args.work_dir:
             args.save_interval = 0  # nothing to resume from a temporary directory
         work.mkdir(parents=True, exist_ok=True)
+        if args.jobs > 1:
+            run_concurrently(argv, planned, work.resolve(), args.jobs)
         runs = [run_one(args, row, seed, work) for row, seed in planned]
-    out = {"tool": "paper_rl_stability", "env": cli.environment(), "argv": sys.argv[1:] if argv is None else argv,
+    out = {"tool": "paper_rl_stability", "env": cli.environment(), "argv": argv,
            "config": {k: v for k, v in vars(args).items() if k not in ("out_json", "out_png")}, "runs": runs}
     cli.write_json(args.out_json, out)
     plot(runs, args.out_png)

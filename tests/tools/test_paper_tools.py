@@ -116,3 +116,29 @@ def test_rl_stability(tmp_path):
     # resumable: a second invocation reads the finished runs back instead of rerunning them
     again = _tool("paper_rl_stability").main(argv)
     assert [r["wall_time_s"] for r in again["runs"]] == [r["wall_time_s"] for r in data["runs"]]
+
+
+def test_rl_stability_runs_concurrently(tmp_path):
+    """--jobs: each run in its own process, the parent reads the records back; a run's history is the one the
+    same run gives in-process (same seed, same flags)."""
+    rows = ["--rows", "BF16 rollout,naive W4A4 (BF16 trainer)"]
+    job = ["--", "--train-iters", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+           "--eval-interval", "2"]
+    tool = _tool("paper_rl_stability")
+    par = tool.main(SMALL + _outs(tmp_path / "par", "rl") + rows + ["--jobs", "2", "--work-dir",
+                                                                      str(tmp_path / "w1"), "--save-interval", "0"] + job)
+    assert [r["config"] for r in par["runs"]] == ["BF16 rollout", "naive W4A4 (BF16 trainer)"]
+    assert all((tmp_path / "w1" / f"{tool._slug(r['config'], r['seed'])}.log").exists() for r in par["runs"])
+    seq = tool.main(SMALL + _outs(tmp_path / "seq", "rl") + ["--rows", "BF16 rollout", "--work-dir",
+                                                             str(tmp_path / "w2"), "--save-interval", "0"] + job)
+    assert par["runs"][0]["history"] == seq["runs"][0]["history"]
+
+
+def test_rl_stability_child_flags():
+    tool = _tool("paper_rl_stability")
+    argv = ["--hf-checkpoint", "ck", "--rows", "a,b", "--jobs", "3", "--out-json=x.json", "--seeds", "1,2",
+            "--task", "sort:10", "--", "--train-iters", "300", "--rows", "kept"]
+    got = tool.child_argv(argv, "BF16 rollout", 2, Path("/w"))
+    assert got == ["--hf-checkpoint", "ck", "--task", "sort:10", "--rows", "BF16 rollout", "--seeds", "2",
+                   "--naive-seeds", "2", "--work-dir", "/w", "--out-json", "/w/bf16_rollout_seed2.summary.json",
+                   "--out-png", "/w/bf16_rollout_seed2.png", "--", "--train-iters", "300", "--rows", "kept"]
