@@ -477,7 +477,12 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         raise ValueError("activation: expected a row-major tensor")
     if fragment_layout:
         check_fragment_shape(w, "weight")
-        if config is None:
+        if config is None and routing is None:  # dense: split K until the GPU is full
+            config = fragment_config(m, n, k, rac=r is not None)
+            sms = _num_sms(a.device) if a.is_cuda and not interpreting() else 0
+            programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+            config = config._replace(split_k=dense_split_k(programs, k // 128, sms) if sms else 1)
+        elif config is None:
             config = fragment_config(m / max(1, e), n, k, rac=r is not None)
         if config.block_k != 128 or config.block_n % 64 or config.block_m % 16:
             raise ValueError(f"config: fragment-order weights need block_k 128, block_n a multiple "

@@ -250,3 +250,21 @@ def test_fragment_configs_gpu(cfg, mode, dtype):
     """Every tile of the bench's v3 sweep gives the reference's answer."""
     c = GemmConfig(*cfg)
     _check_moe("cuda", mode, dtype, 40, 512, 384, 16, 4, True, configs=(c, c))
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a4", torch.bfloat16),
+                                        ("w4a16", torch.bfloat16)])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_fragment_linear_gpu(mode, dtype, m):
+    """The dense form (split-K at decode M) on fragment-order weights, bias included."""
+    gen = torch.Generator().manual_seed(m)
+    x = activations(m, 2048, dtype, "cuda", gen)
+    w = packed((1536, 2048), "cuda", gen=gen)
+    ci, b = comp(2048, 64, gen).cuda(), torch.randn(1536, generator=gen).cuda()
+    y = w4a4_linear(x, *_frag(w), act_mode=mode, comp_index=ci, bias=b, backend="triton",
+                    weight_layout="fragment",
+                    comp_weight=rac_weight_columns(w[0], w[1], ci) if mode == "w4a4_rac" else None)
+    ref = reference.w4a4_linear(x.cpu(), *(t.cpu() for t in w), act_mode=mode, comp_index=ci.cpu(),
+                                bias=b.cpu())
+    assert rel(y.cpu(), ref) < (FP32_TOL[mode] if dtype == torch.float32 else 4e-3)
