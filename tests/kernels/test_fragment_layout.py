@@ -175,7 +175,8 @@ def _check_moe(device, mode, dtype, t, h, f, e, topk, prebuilt, configs=None, fu
     ref = reference.w4a4_fused_moe(x, *w13, *w2, tw, ti, act_mode=mode, w13_comp_index=c13,
                                    w2_comp_index=c2)
     assert out.shape == (t, h) and torch.isfinite(out).all()
-    if full and dtype == torch.float32 and mode != "w4a16":
+    if device == "cuda" and dtype == torch.float32 and mode != "w4a16":
+        # per token: fc1's summation order may move a rare code of fc2's input (reference docs)
         ok, stats = reference.w4a4_moe_agreement(out, ref, 1.5 * FP32_TOL[mode])
         assert ok, stats
     else:
