@@ -55,11 +55,12 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
                     BLOCK_K: tl.constexpr, FRAG: tl.constexpr = False):
     """Store e2m1 * e4m3 * 2^-7 as fp16 (exact: at most 6 significant bits, |v| <= 21).
     FRAG: column c goes to the fragment GEMM's K position 32 w + 8 j + 2 t + b of its 128-wide
-    step (c = 32 w + 16 b + 4 t + j, `fragment_layout.fragment_columns`)."""
+    step (c = 32 w + 16 b + 4 t + j, `fragment_layout.fragment_columns`), permuted in registers
+    so the store stays contiguous."""
     vals = tl.reshape(e2m1_decode(codes), (BLOCK_M, BLOCK_K // 16, 16)) * \
         (sf_val * 0.0078125)[:, :, None]
     if FRAG:
-        cols = (cols // 32) * 32 + (cols % 4) * 8 + ((cols // 4) % 4) * 2 + (cols // 16) % 2
+        vals = tl.permute(tl.reshape(vals, (BLOCK_M, BLOCK_K // 128, 4, 2, 4, 4)), (0, 1, 2, 5, 4, 3))
     tl.store(v_ptr + rows[:, None].to(tl.int64) * K + cols,
              tl.reshape(vals, (BLOCK_M, BLOCK_K)).to(tl.float16), mask=mask)
 
