@@ -57,6 +57,15 @@ def fused_sweep_configs(m: int) -> list:
     return out + [(t._replace(split_k=s), None) for t in tiles for s in (1, 2, 4, 8)]
 
 
+def fused_frag_sweep_configs(m: int) -> list:
+    """GemmConfigs of the fused launch on fragment-order codes at m rows (--sweep)."""
+    from quads_megatron.kernels.gemm import GemmConfig as C
+
+    bm = 16 if m <= 16 else 32
+    tiles = [C(bm, 128, 128, 8, 3, 8, True), C(bm, 64, 128, 4, 4, 8, True)]
+    return [t._replace(split_k=s) for t in tiles for s in (1, 2, 4, 8)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -72,6 +81,7 @@ def main(argv=None) -> int:
     from quads_megatron.apps.study.timing import time_ms
     from quads_megatron.kernels import w4a4_linear
     from quads_megatron.kernels.act_quant import quantize_activation_rac
+    from quads_megatron.kernels.fragment_layout import to_fragment_order
     from quads_megatron.kernels.gemm import launch_gemm
     from quads_megatron.kernels.linear_fused import FUSED_MAX_M, fused_config, w4a4_linear_fused
     from quads_megatron.kernels.rac_columns import rac_weight_columns
@@ -85,6 +95,7 @@ def main(argv=None) -> int:
         q = [(t.data, t.scale, t.global_scale.reshape(()).float()) for t in (quantize(w.float()) for w in wb)]
         comp = torch.sort(torch.randperm(k, device=dev)[:args.rac_channels]).values.to(torch.int32)
         cols = [rac_weight_columns(d, s, comp) for d, s, _ in q]
+        qf = [to_fragment_order(d) for d, _, _ in q] if n % 64 == 0 and k % 128 == 0 else None
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             it = iter(range(10 ** 9))
@@ -125,6 +136,35 @@ def main(argv=None) -> int:
                 it = iter(range(10 ** 9))
                 same = same and torch.equal(fused(rac), a)
             ms["same"] = same
+            if n % 64 == 0 and k % 128 == 0:  # the v3 fragment-order codes (`fragment_layout`)
+                def two_frag():
+                    i = next(it) % COPIES
+                    qa = quantize_activation_rac(x, comp, fragment_order=True)
+                    return launch_gemm(qa.values, qa.s_dec, qf[i][None], q[i][1][None], q[i][2].reshape(1), out,
+                                       m=m, r=(qa.r_values, qa.r_s_dec), comp_weight=cols[i][None],
+                                       fragment_layout=True, config=frag_cfg)
+
+                def fused_frag(config=None):
+                    i = next(it) % COPIES
+                    return w4a4_linear_fused(x, qf[i], q[i][1], q[i][2], out, comp_index=comp, comp_weight=cols[i],
+                                             config=config, fragment_layout=True)
+
+                frag_cfg = None
+                ms["two rac v3"] = time_ms(two_frag, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
+                ms["fused rac v3"] = time_ms(fused_frag, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
+                frag_cfg = fused_config(m, n, k, num_sms, fragment_layout=True)
+                it = iter(range(10 ** 9))
+                a = two_frag().clone()
+                it = iter(range(10 ** 9))
+                ms["same v3"] = torch.equal(fused_frag(), a)
+                if args.sweep:
+                    for cfg in fused_frag_sweep_configs(m):
+                        key = ",".join(str(int(v)) for v in cfg)
+                        try:
+                            ms[f"fused_rac_v3 {key}"] = time_ms(lambda: fused_frag(cfg), device="cuda",
+                                                                iters=args.iters, mode="graph", reps=COPIES)
+                        except Exception as exc:
+                            ms[f"fused_rac_v3 {key}"] = f"ERR {type(exc).__name__}: {str(exc)[:60]}"
             if args.sweep:
                 ms["act_quant_rac"] = time_ms(lambda: quantize_activation_rac(x, comp), device="cuda",
                                               iters=args.iters, mode="graph", reps=COPIES)
@@ -156,18 +196,24 @@ def main(argv=None) -> int:
     print(f"\n{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}; ms per call (CUDA graphs, weights from HBM); "
           f"the op runs fused at M <= {FUSED_MAX_M}")
     print("| M x N x K | BF16 (cuBLAS) | w4a16 | w4a4 two | w4a4 fused | RAC two | RAC fused | RAC op | RAC op vs BF16 "
-          "| fused RAC vs BF16 | same bits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| fused RAC vs BF16 | same bits | RAC two v3 | RAC fused v3 | fused v3 vs BF16 | same bits v3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ms = r["ms"]
         print(f"| {r['m']}x{r['n']}x{r['k']} | {ms['bf16']:.4f} | {ms['w4a16']:.4f} | {ms['two w4a4']:.4f} | "
               f"{ms['fused w4a4']:.4f} | {ms['two rac']:.4f} | {ms['fused rac']:.4f} | {ms['w4a4_rac']:.4f} | "
-              f"{ms['bf16'] / ms['w4a4_rac']:.2f}x | {ms['bf16'] / ms['fused rac']:.2f}x | {ms['same']} |")
+              f"{ms['bf16'] / ms['w4a4_rac']:.2f}x | {ms['bf16'] / ms['fused rac']:.2f}x | {ms['same']} | "
+              + (f"{ms['two rac v3']:.4f} | {ms['fused rac v3']:.4f} | {ms['bf16'] / ms['fused rac v3']:.2f}x | "
+                 f"{ms['same v3']} |" if "fused rac v3" in ms else "- | - | - | - |"))
     for r in rows:
         parts = {key: v for key, v in r["ms"].items() if key.startswith(("gemm", "act", "fused_rac"))}
         if parts:
             best = {name: min((v, key) for key, v in parts.items() if key.startswith(name + " ") and isinstance(v, float))
                     for name in ("gemm_w4a16", "gemm_rac", "fused_rac")}
+            v3 = [(v, key) for key, v in parts.items() if key.startswith("fused_rac_v3 ") and isinstance(v, float)]
+            if v3:
+                v, key = min(v3)
+                print(f"  {r['m']}x{r['n']}x{r['k']}: fused_rac_v3 best {v:.4f} ({key.split(' ', 1)[1]})")
             print(f"  {r['m']}x{r['n']}x{r['k']}: act_quant_rac {parts['act_quant_rac']:.4f}; "
                   + "; ".join(f"{name} default {parts[name + (' default amax' if name == 'fused_rac' else ' default')]:.4f}, "
                               f"best {v:.4f} ({key.split(' ', 1)[1]})" for name, (v, key) in best.items()))

@@ -26,8 +26,9 @@ from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
 from quads_megatron.nvfp4.triton_kernels import (bf16_round, block_scales, e2m1_round,
                                                  global_scales)
 
-from .gemm import (GemmConfig, _block_k, _mma, _num_sms, _words, decode_words_f16, dense_split_k,
-                   interpreting)
+from .fragment_layout import check_fragment_shape
+from .gemm import (GemmConfig, _block_k, _mma, _num_sms, _words, decode_fragments, decode_words_f16,
+                   dense_split_k, interpreting)
 
 __all__ = ["FUSED_MAX_M", "fused_config", "w4a4_linear_fused", "nvfp4_values_f16"]
 
@@ -143,7 +144,7 @@ def _fused_linear_kernel(
         OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr, AMAX_K: tl.constexpr,
         AMAX_STAGES: tl.constexpr, AMAX_EVEN: tl.constexpr, BF16_WORDS: tl.constexpr,
-        PACKED_MAX: tl.constexpr,
+        PACKED_MAX: tl.constexpr, FRAG: tl.constexpr, FRAG_ASM: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C = q(X) Wq^T (+ q(R) Wq[:, S]^T) (+ bias) from the float X; the dense branch of
     `gemm._w4a4_gemm_kernel` with its A tile quantized here. SPLIT_K > 1: program axis 1 takes
@@ -190,24 +191,53 @@ def _fused_linear_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            ww = tl.load(w_ptrs)
-            wsb = tl.load(s_ptrs)
+    if FRAG:  # codes in `fragment_layout`'s order: `gemm._fragment_main_loop` with the A tile made here
+        NA: tl.constexpr = BLOCK_N // 64
+        slot = tl.arange(0, 256 * NA)[:, None]
+        ww4 = tl.arange(0, 4)[None, :]
+        atom = tl.minimum(pid_n * NA + (slot // 128) % NA, N // 64 - 1)
+        hh = slot // (128 * NA)
+        qq = (slot // 32) % 4
+        gg = (slot // 4) % 8
+        fw_ptrs = w32_ptr + (atom * (K // 128) + k_start // 128) * 1024 + hh * 512 + qq * 128 \
+            + gg * 16 + (slot % 4) * 4 + ww4
+        frows = atom * 64 + qq * 16 + hh * 8 + gg
+        fs_ptrs = ws_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) \
+            + frows.to(tl.int64) * (stride_wsn // 2) + k_start // 32 + ww4
+        for _ in range(k_start, k_end, 128):
+            words = tl.load(fw_ptrs)
+            sc = tl.load(fs_ptrs)
             xa = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-        else:
-            kw = (k0 // 8 + tl.arange(0, BLOCK_K // 8)) < K // 8
-            ks = (k0 // 16 + tl.arange(0, BLOCK_K // 16)) < K // 16
-            ka = (k0 + tl.arange(0, BLOCK_K)) < K
-            ww = tl.load(w_ptrs, mask=kw[None, :], other=0)
-            wsb = tl.load(s_ptrs, mask=ks[None, :], other=0)
-            xa = tl.load(x_ptrs, mask=row_mask[:, None] & ka[None, :], other=0.0)
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 16
-        x_ptrs += BLOCK_K
-        a = nvfp4_values_f16(xa.to(tl.float32), s_enc, sdec, BLOCK_M, BLOCK_K)
-        wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
-        acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
+            fw_ptrs += 1024
+            fs_ptrs += 4
+            x_ptrs += 128
+            # quantized in column order, then moved to the K order of the fragment GEMM: position
+            # 32 w + 8 j + 2 t + b holds column 32 w + 16 b + 4 t + j
+            a = nvfp4_values_f16(xa.to(tl.float32), s_enc, sdec, BLOCK_M, 128)
+            a = tl.reshape(tl.permute(tl.reshape(a, (BLOCK_M, 4, 2, 4, 4)), (0, 1, 4, 3, 2)),
+                           (BLOCK_M, 128))
+            wt = decode_fragments(words, sc, BLOCK_N, FRAG_ASM)
+            acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
+        acc = acc * 0.5  # the fragment decode is value * scale * 2^-6, twice the v2 tile (exact)
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                ww = tl.load(w_ptrs)
+                wsb = tl.load(s_ptrs)
+                xa = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            else:
+                kw = (k0 // 8 + tl.arange(0, BLOCK_K // 8)) < K // 8
+                ks = (k0 // 16 + tl.arange(0, BLOCK_K // 16)) < K // 16
+                ka = (k0 + tl.arange(0, BLOCK_K)) < K
+                ww = tl.load(w_ptrs, mask=kw[None, :], other=0)
+                wsb = tl.load(s_ptrs, mask=ks[None, :], other=0)
+                xa = tl.load(x_ptrs, mask=row_mask[:, None] & ka[None, :], other=0.0)
+            w_ptrs += BLOCK_K // 8
+            s_ptrs += BLOCK_K // 16
+            x_ptrs += BLOCK_K
+            a = nvfp4_values_f16(xa.to(tl.float32), s_enc, sdec, BLOCK_M, BLOCK_K)
+            wt = decode_words_f16(ww.to(tl.uint32, bitcast=True), wsb, BLOCK_N, BLOCK_K)
+            acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
 
     ws2 = tl.load(ws2_ptr)
     if HAS_RES:
@@ -280,19 +310,22 @@ def _fused_linear_kernel(
             tl.store(c_ptr + c_off, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def fused_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+def fused_config(m: int, n: int, k: int, num_sms: int, fragment_layout: bool = False) -> GemmConfig:
     """Tile and split-K of the fused launch; num_sms 0: no split. At <= 16 rows `gemm.dense_config`'s
     decode tile and split. Above, the 64 x 64 tile takes 8 warps (with 4, quantizing a 64 x 128 A
     tile per step spills on sm_90; 64 x 128 spills too), which leaves one program per SM: K is split
-    for one wave only, since every split re-reads its rows for the amax. tools/bench_w4a4_linear.py
-    --sweep times the alternatives."""
+    for about one wave only, since every split re-reads its rows for the amax. fragment_layout
+    (the v3 codes): swap-AB 128-row weight tiles with 8 warps (16 x 128, above 16 rows 32 x 128;
+    spill-free, and per weight ~1/3 fewer instructions than 64-row tiles). All from offline SASS;
+    tools/bench_w4a4_linear.py --sweep times the alternatives."""
     bk = _block_k(k)
     k_steps = triton.cdiv(k, bk)
     if m <= 16:
-        tile = GemmConfig(16, 64, bk, 4, 4, 8, True)
+        tile = (GemmConfig(16, 128, 128, 8, 3, 8, True) if fragment_layout
+                else GemmConfig(16, 64, bk, 4, 4, 8, True))
         programs = triton.cdiv(n, tile.block_n)
         return tile._replace(split_k=dense_split_k(programs, k_steps, num_sms))
-    tile = GemmConfig(64, 64, bk, 8, 3)
+    tile = GemmConfig(32, 128, 128, 8, 3, 8, True) if fragment_layout else GemmConfig(64, 64, bk, 8, 3)
     programs = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
     split = 1
     while programs * split * 2 <= num_sms * 5 // 4 and k_steps // (2 * split) >= 4 and split < 8:
@@ -325,19 +358,30 @@ def w4a4_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       comp_index: Optional[torch.Tensor] = None,
                       comp_weight: Optional[torch.Tensor] = None, input_scale=None,
                       bias: Optional[torch.Tensor] = None,
-                      config: Optional[GemmConfig] = None, amax_k: Optional[int] = None
-                      ) -> torch.Tensor:
+                      config: Optional[GemmConfig] = None, amax_k: Optional[int] = None,
+                      fragment_layout: bool = False) -> torch.Tensor:
     """out [M, N] = W4A4(+RAC) linear of the float x [M, K] in one launch (inputs checked by the
     caller, `ops.w4a4_linear`). weight [N, K//2] uint8, weight_scale [N, K//16] e4m3,
     weight_scale_2 fp32 [1]; RAC: comp_index int32 [k] and comp_weight fp16 [N, k]
     (`rac_weight_columns`); bias fp32 [N]; config: `fused_config` by default; amax_k: columns
-    per step of the row-amax sweep (default 8K elements per step, 3 steps in flight)."""
+    per step of the row-amax sweep (default 8K elements per step, 3 steps in flight);
+    fragment_layout: the codes are in `fragment_layout.to_fragment_order`'s order (the v3 main
+    loop; N a multiple of 64, K of 128, block_k 128, block_n a multiple of 64)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         raise ValueError("x: expected a row-major activation")
+    if fragment_layout:
+        check_fragment_shape(weight, "weight")
+        if weight_scale.stride(-1) != 1 or weight_scale.stride(0) % 2:
+            raise ValueError(f"weight_scale: expected row-major E4M3 scales [N, K//16], got stride "
+                             f"{weight_scale.stride()}")
     if config is None:
-        config = fused_config(m, n, k, _num_sms(x.device) if x.is_cuda and not interpreting() else 0)
+        config = fused_config(m, n, k, _num_sms(x.device) if x.is_cuda and not interpreting() else 0,
+                              fragment_layout)
+    if fragment_layout and (config.block_k != 128 or config.block_n % 64):
+        raise ValueError(f"config: fragment-order weights need block_k 128 and block_n a multiple "
+                         f"of 64, got {config}")
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
     split = config.split_k
@@ -380,5 +424,6 @@ def w4a4_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KR=bkr, AMAX_K=amax_k, AMAX_STAGES=3, AMAX_EVEN=k % amax_k == 0,
         BF16_WORDS=x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0,
         PACKED_MAX=_has_u16x2_max(x.device),
+        FRAG=fragment_layout, FRAG_ASM=fragment_layout and not interpreting(),
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

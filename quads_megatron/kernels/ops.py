@@ -124,10 +124,11 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         if comp is not None:
             cols = (comp_weight if comp_weight is not None
                     else rac_weight_columns(weight, weight_scale, comp))
-        if m <= FUSED_MAX_M and not frag:  # decode sizes: one launch, the activation quantized in the GEMM
+        if m <= FUSED_MAX_M:  # decode sizes: one launch, the activation quantized in the GEMM
             w4a4_linear_fused(x2d, weight, weight_scale, weight_scale_2, out,
                               comp_index=None if comp is None else comp.to(torch.int32).contiguous(),
-                              comp_weight=cols, input_scale=input_scale, bias=b)
+                              comp_weight=cols, input_scale=input_scale, bias=b,
+                              fragment_layout=frag)
         else:
             qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
             r = None if comp is None else (qa.r_values, qa.r_s_dec)

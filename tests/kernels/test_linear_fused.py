@@ -13,6 +13,7 @@ import triton.language as tl
 
 from quads_megatron.kernels import reference, w4a4_linear
 from quads_megatron.kernels.act_quant import quantize_activation_rac
+from quads_megatron.kernels.fragment_layout import to_fragment_order
 from quads_megatron.kernels.gemm import GemmConfig, interpreting, launch_gemm
 from quads_megatron.kernels.linear_fused import (FUSED_MAX_M, fused_config, nvfp4_values_f16,
                                                  w4a4_linear_fused)
@@ -44,31 +45,36 @@ def _case(m, n, k_in, k, dtype, device, seed, static=False, bias=False):
     return x.to(dtype).to(device), w, ci, iscale, b
 
 
-def _two_launch(x, w, ci, iscale, b, config):
-    """Pre-pass + GEMM (+ split-K sum): the path the fused kernel replaces."""
+def _two_launch(x, w, ci, iscale, b, config, frag=False):
+    """Pre-pass + GEMM (+ split-K sum): the path the fused kernel replaces (frag: the codes in
+    `fragment_layout`'s order, the v3 main loop)."""
     wd, ws, ws2 = w
     out = torch.empty(x.shape[0], wd.shape[0], dtype=x.dtype, device=x.device)
-    qa = quantize_activation_rac(x, ci, iscale)
+    qa = quantize_activation_rac(x, ci, iscale, fragment_order=frag)
     r = None if ci is None else (qa.r_values, qa.r_s_dec)
     cols = None if ci is None else rac_weight_columns(wd, ws, ci)[None]
-    launch_gemm(qa.values, qa.s_dec, wd[None], ws[None], ws2.reshape(1), out, m=x.shape[0], r=r,
-                comp_weight=cols, bias=None if b is None else b.float(), config=config)
+    codes = to_fragment_order(wd) if frag else wd
+    launch_gemm(qa.values, qa.s_dec, codes[None], ws[None], ws2.reshape(1), out, m=x.shape[0], r=r,
+                comp_weight=cols, bias=None if b is None else b.float(), config=config,
+                fragment_layout=frag)
     return out
 
 
-def _fused(x, w, ci, iscale, b, config, amax_k=None):
+def _fused(x, w, ci, iscale, b, config, amax_k=None, frag=False):
     wd, ws, ws2 = w
     out = torch.empty(x.shape[0], wd.shape[0], dtype=x.dtype, device=x.device)
     cols = None if ci is None else rac_weight_columns(wd, ws, ci)
-    return w4a4_linear_fused(x, wd, ws, ws2, out, comp_index=ci, comp_weight=cols,
-                             input_scale=iscale, bias=None if b is None else b.float(),
-                             config=config, amax_k=amax_k)
+    return w4a4_linear_fused(x, to_fragment_order(wd) if frag else wd, ws, ws2, out, comp_index=ci,
+                             comp_weight=cols, input_scale=iscale,
+                             bias=None if b is None else b.float(), config=config, amax_k=amax_k,
+                             fragment_layout=frag)
 
 
-def _check_equal(device, m, n, k_in, k, dtype, config, static=False, bias=False, amax_k=None):
+def _check_equal(device, m, n, k_in, k, dtype, config, static=False, bias=False, amax_k=None,
+                 frag=False):
     x, w, ci, iscale, b = _case(m, n, k_in, k, dtype, device, m * 31 + n + k_in + k, static, bias)
-    got = _fused(x, w, ci, iscale, b, config, amax_k)
-    want = _two_launch(x, w, ci, iscale, b, config)
+    got = _fused(x, w, ci, iscale, b, config, amax_k, frag)
+    want = _two_launch(x, w, ci, iscale, b, config, frag)
     assert got.dtype == dtype and got.shape == (m, n) and torch.isfinite(got).all()
     assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item()}"
     ref = reference.w4a4_linear(x.cpu(), *(t.cpu() for t in w), act_mode="w4a4_rac" if k else "w4a4",
@@ -91,6 +97,16 @@ C = GemmConfig
 ])
 def test_fused_equals_two_launch_cpu(m, n, k_in, k, dtype, config, static, bias):
     _check_equal("cpu", m, n, k_in, k, dtype, config, static, bias, amax_k=32)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("m,n,k_in,k,dtype,config,bias", [
+    (5, 64, 256, 32, torch.bfloat16, C(16, 64, 128, 4, 2, 8, True, 2), True),   # swap-AB, 2 splits
+    (3, 128, 128, 0, torch.float32, C(16, 128, 128, 4, 2), False),              # 2 atoms per tile
+])
+def test_fused_fragment_layout_equals_two_launch_cpu(m, n, k_in, k, dtype, config, bias):
+    """Codes in the v3 fragment order: the fused A tile is made in the fragment GEMM's K order."""
+    _check_equal("cpu", m, n, k_in, k, dtype, config, bias=bias, amax_k=64, frag=True)
 
 
 @triton.jit
@@ -168,6 +184,9 @@ def test_fused_config_tiles_and_splits():
     assert fused_config(64, 5120, 2048, 132).split_k == 2   # 80 tiles: 160 programs
     assert fused_config(64, 2048, 512, 132).split_k == 1    # 4 K-steps: no split
     assert fused_config(64, 2048, 4096, 0).split_k == 1
+    frag = fused_config(16, 2048, 4096, 132, fragment_layout=True)   # 16 tiles of 128 rows
+    assert (frag.block_n, frag.num_warps, frag.swap_ab, frag.split_k) == (128, 8, True, 8)
+    assert fused_config(64, 2048, 4096, 132, fragment_layout=True).split_k == 4  # 2 x 16 tiles: 128
 
 
 def test_topk_sum_adds_left_to_right():
@@ -227,3 +246,13 @@ def test_fused_in_cuda_graph_gpu():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n,k_in", [(5120, 2048), (2048, 4096)])
+def test_fused_fragment_layout_equals_two_launch_gpu(m, n, k_in):
+    """v3 fragment-order codes (inline-asm decode) at real sizes, the fused default config."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _check_equal("cuda", m, n, k_in, 64, torch.bfloat16,
+                 fused_config(m, n, k_in, num_sms, fragment_layout=True), bias=True, frag=True)
