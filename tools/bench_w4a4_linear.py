@@ -46,14 +46,13 @@ def fused_sweep_configs(m: int) -> list:
     from quads_megatron.kernels.gemm import GemmConfig as C
 
     if m <= 16:
-        tiles = [C(16, 64, 128, 4, 4, 8, True), C(16, 128, 128, 8, 3, 8, True), C(16, 64, 128, 4, 3, 8, False),
-                 C(16, 128, 128, 4, 3, 8, False)]
+        tiles = [C(16, 64, 128, 4, 4, 8, True), C(16, 128, 128, 8, 3, 8, True), C(16, 64, 128, 4, 3, 8, False)]
     elif m <= 64:
         tiles = [C(64, 64, 128, 8, 3), C(64, 128, 128, 8, 3), C(32, 64, 128, 4, 4, 8, True),
-                 C(64, 64, 128, 4, 3), C(16, 64, 128, 4, 4, 8, True)]
+                 C(16, 64, 128, 4, 4, 8, True)]
     else:
-        tiles = [C(64, 128, 128, 8, 3), C(128, 128, 64, 8, 3), C(128, 64, 128, 4, 3)]
-    out = [(None, None), (None, 256), (None, 2048)]
+        tiles = [C(64, 64, 128, 8, 3), C(64, 128, 128, 8, 3)]
+    out = [(None, None), (None, 256)]
     return out + [(t._replace(split_k=s), None) for t in tiles for s in (1, 2, 4, 8)]
 
 
