@@ -5,7 +5,7 @@ a BF16 matmul. Shapes of Qwen3-30B-A3B's attention (q/k/v fused 2048 -> 5120, o 
 Each call is captured in a CUDA graph (16 calls per graph over 16 weight copies, so weights come
 from HBM, not L2), median of the replays; our ops skip the host-syncing checks.
 
-    PYTHONPATH=. python3 tools/bench_w4a4_linear.py [--m 1 16 64 256] [--json out.json] [--sweep]
+    PYTHONPATH=. python3 tools/bench_w4a4_linear.py [--m 1 16 32 64 256] [--json out.json] [--sweep]
 
 Per size: cuBLAS BF16, the op as dispatched (w4a16 / w4a4 / w4a4_rac), and both W4A4 forms timed
 explicitly with their default configs: "two" = act_quant pre-pass + GEMM (+ split-K sum launch),
@@ -47,6 +47,8 @@ def fused_sweep_configs(m: int) -> list:
 
     if m <= 16:
         tiles = [C(16, 64, 128, 4, 4, 8, True), C(16, 128, 128, 8, 3, 8, True), C(16, 64, 128, 4, 3, 8, False)]
+    elif m <= 32:
+        tiles = [C(32, 64, 128, 4, 4, 8, True), C(16, 64, 128, 4, 4, 8, True), C(64, 64, 128, 8, 3)]
     elif m <= 64:
         tiles = [C(64, 64, 128, 8, 3), C(64, 128, 128, 8, 3), C(32, 64, 128, 4, 4, 8, True),
                  C(16, 64, 128, 4, 4, 8, True)]
@@ -67,7 +69,7 @@ def fused_frag_sweep_configs(m: int) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 256])
     p.add_argument("--shapes", default="5120x2048,2048x4096", help="N x K of each linear")
     p.add_argument("--rac-channels", type=int, default=64)
     p.add_argument("--iters", type=int, default=30)

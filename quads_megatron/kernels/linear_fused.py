@@ -33,8 +33,10 @@ from .gemm import (GemmConfig, _block_k, _mma, _num_sms, _words, decode_fragment
 __all__ = ["FUSED_MAX_M", "fused_config", "w4a4_linear_fused", "nvfp4_values_f16"]
 
 # Largest M the dense op runs fused (`ops.w4a4_linear`); above it the activation is quantized once
-# by the pre-pass instead of once per program (tools/bench_w4a4_linear.py times both).
-FUSED_MAX_M = 64
+# by the pre-pass instead of once per N tile (tools/bench_w4a4_linear.py times both). Offline
+# estimate for Qwen3-30B-A3B's projections: the per-tile quantization and amax re-reads cost
+# ~0.15 us per row on an H200 against ~5 us for the pre-pass and split-K sum launches.
+FUSED_MAX_M = 32
 
 
 @triton.jit
@@ -312,7 +314,8 @@ def _fused_linear_kernel(
 
 def fused_config(m: int, n: int, k: int, num_sms: int, fragment_layout: bool = False) -> GemmConfig:
     """Tile and split-K of the fused launch; num_sms 0: no split. At <= 16 rows `gemm.dense_config`'s
-    decode tile and split. Above, the 64 x 64 tile takes 8 warps (with 4, quantizing a 64 x 128 A
+    decode tile and split, at <= 32 the same with 32 rows (spill-free). Above, the 64 x 64 tile
+    takes 8 warps (with 4, quantizing a 64 x 128 A
     tile per step spills on sm_90; 64 x 128 spills too), which leaves one program per SM: K is split
     for about one wave only, since every split re-reads its rows for the amax. fragment_layout
     (the v3 codes): swap-AB 128-row weight tiles with 8 warps (16 x 128, above 16 rows 32 x 128;
@@ -320,9 +323,11 @@ def fused_config(m: int, n: int, k: int, num_sms: int, fragment_layout: bool = F
     tools/bench_w4a4_linear.py --sweep times the alternatives."""
     bk = _block_k(k)
     k_steps = triton.cdiv(k, bk)
-    if m <= 16:
-        tile = (GemmConfig(16, 128, 128, 8, 3, 8, True) if fragment_layout
-                else GemmConfig(16, 64, bk, 4, 4, 8, True))
+    if m <= 16 or (m <= 32 and not fragment_layout):
+        if fragment_layout:
+            tile = GemmConfig(16, 128, 128, 8, 3, 8, True)
+        else:
+            tile = GemmConfig(16 if m <= 16 else 32, 64, bk, 4, 4, 8, True)
         programs = triton.cdiv(n, tile.block_n)
         return tile._replace(split_k=dense_split_k(programs, k_steps, num_sms))
     tile = GemmConfig(32, 128, 128, 8, 3, 8, True) if fragment_layout else GemmConfig(64, 64, bk, 8, 3)
