@@ -4,6 +4,7 @@
 #   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
 #   bash tools/gpu_session.sh pretrain stability         # the 300-step RL stability study, detached; then
 #   WAIT_S=560 bash tools/gpu_session.sh stability-wait  # in each following call (machine still held): poll, collect
+#   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
 #   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
 #                                                        # then the same job with the local engine
@@ -64,6 +65,20 @@ for s in "$@"; do
       $PY tools/paper_rl_stability.py --hf-checkpoint "$CKPT" --seq-length 48 --max-new-tokens 16 \
           --out-json "$OUT/rl_stability.json" --out-png "$OUT/rl_stability.png" -- --train-iters "$RL_ITERS" \
           "${RL_FLAGS[@]}" 2>&1 | grep -E "summary|wrote|Error|error" | tail -8 ;;
+    kernels)
+      # issue 25 in one call: the GPU tests (kernels, loaders, engines; SGLang's skip without its wheel set), then
+      # the MoE layer (BF16, FP8, v2, v3), the refit, the dense linear and the v3 tile sweep; each step bounded
+      stage kernels
+      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+      stage moe_layer
+      timeout 170 $PY tools/bench_moe_layer.py --iters 30 --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
+      stage refit
+      timeout 70 $PY tools/bench_refit.py --num-layers 8 --json "$OUT/refit.json" 2>&1 | grep -v -i warn | tail -14
+      stage linear
+      timeout 60 $PY tools/bench_w4a4_linear.py --json "$OUT/linear.json" 2>&1 | grep -v -i warn | tail -16
+      stage moe_sweep
+      timeout "${SWEEP_S:-90}" $PY tools/bench_moe_layer.py --iters 10 --tokens 16 256 1024 --kernels v3 --sweep \
+          --json "$OUT/moe_sweep.json" 2>&1 | grep -v -i warn | tail -12 ;;
     stability)
       # issue 24: five rows x STABILITY_ITERS GRPO steps on the pretrained preset (two seeds of the naive rows), on a
       # task the SFT warm-up does not solve, all runs at once on the GPU. Detached (setsid) so it outlives this call
@@ -103,7 +118,7 @@ for s in "$@"; do
           --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --use-rollout-routing-replay "${extra[@]}" \
           --tensorboard-dir "$OUT/tb-$s" --summary-json "$OUT/$s.json" --no-progress 2>&1 \
           | grep -E "summary|step .*0 \||Error|error" | tail -12 ;;
-    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, stability, stability-wait, sglang, sglang-grpo, grpo)"; exit 2 ;;
+    *) echo "unknown stage $s (check, check-rl, pretrain, ablations, rl, kernels, stability, stability-wait, sglang, sglang-grpo, grpo)"; exit 2 ;;
   esac
 done
 stage done
