@@ -91,16 +91,17 @@ class QuantizedExperts:
         return self.source.layer
 
     def rollout_items(self) -> Iterator[Named]:
-        """The ModelOpt per-expert triples (the SGLang wire / checkpoint names): views of the stacked tensors."""
-        F = self.source.ffn
-        s1, s2 = self.fc1.global_scale.reshape(-1), self.fc2.global_scale.reshape(-1)
+        """The ModelOpt per-expert triples (the SGLang wire / checkpoint names): views of the stacked tensors,
+        made by a few ``unbind`` calls (not one indexing op per tensor: a layer has 9E of them)."""
+        E, F = len(self.source.experts), self.source.ffn
+        halves = [t.reshape(2 * E, F, t.shape[-1]).unbind(0) for t in (self.fc1.data, self.fc1.scale)]
+        s1, s2 = self.fc1.global_scale.reshape(-1).unbind(0), self.fc2.global_scale.reshape(-1).unbind(0)
+        d2, sc2 = self.fc2.data.unbind(0), self.fc2.scale.unbind(0)
         for i, e in enumerate(self.source.experts):
             pre = f"{self.source.prefix}.{e}"
-            for proj, rows in zip(EXPERT_FC1, (slice(0, F), slice(F, 2 * F))):
-                parts = (self.fc1.data[i, rows], self.fc1.scale[i, rows], s1[i])
-                yield from zip(modelopt_names(f"{pre}.{proj}.weight"), parts)
-            parts = (self.fc2.data[i], self.fc2.scale[i], s2[i])
-            yield from zip(modelopt_names(f"{pre}.{EXPERT_FC2[0]}.weight"), parts)
+            for j, proj in enumerate(EXPERT_FC1):
+                yield from zip(modelopt_names(f"{pre}.{proj}.weight"), (halves[0][2 * i + j], halves[1][2 * i + j], s1[i]))
+            yield from zip(modelopt_names(f"{pre}.{EXPERT_FC2[0]}.weight"), (d2[i], sc2[i], s2[i]))
 
     def scale_groups(self) -> Iterator[tuple]:
         """The per-expert ``quantize_scale_groups`` items ``(names, tensors, NVFP4Tensors)`` (views)."""
