@@ -105,3 +105,52 @@ def test_layer_item_quantized_elsewhere_is_copied_into_the_buffers():
     assert m.w13.data_ptr() == ptr
     for n, t in before.items():
         assert torch.equal(getattr(m, n).view(torch.uint8), t.view(torch.uint8)), n
+
+
+def test_kernel_layout_is_applied_in_place_once_per_load():
+    """weight_layout=KERNEL_WEIGHT_LAYOUT: after every load the codes are plan.kernel_layout's permutation of the
+    ModelOpt bytes, in the same storage; a partial reload converts back first (never twice); forward unchanged."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, to_kernel_layout
+    from quads_megatron.rollout import RolloutModel
+
+    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    plan = QuantPlan.resolve(QuadsRecipe(train_precision="w4a16", rollout_precision="w4a16"),
+                             qwen3_moe.dims_from_hf_config(cfg.to_dict()))
+    ref = RolloutModel(cfg, plan, dtype=torch.float32, device="cpu")
+    frag = RolloutModel(cfg, plan, dtype=torch.float32, device="cpu", weight_layout=KERNEL_WEIGHT_LAYOUT)
+    m, r = frag.modules["model.layers.1.mlp.experts"], ref.modules["model.layers.1.mlp.experts"]
+    ptrs = (m.w13.data_ptr(), m.w2.data_ptr())
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        state = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).state_dict()
+        named = []
+        for name, t in state.items():  # the layer stream: [gate; up] and down of every expert
+            if name.endswith("mlp.experts.gate_up_proj"):
+                from quads_megatron.plan import ExpertsLayer
+
+                down = state[name.replace("gate_up_proj", "down_proj")]
+                named.append(ExpertsLayer(int(name.split(".")[2]), list(t), list(down)))
+            elif not name.endswith("mlp.experts.down_proj"):
+                named.append((name, t))
+        ref.load_weights(named)
+        frag.load_weights(named)
+        assert (m.w13.data_ptr(), m.w2.data_ptr()) == ptrs
+        for which in ("w13", "w2"):
+            assert torch.equal(getattr(m, which), to_kernel_layout(getattr(r, which)))
+            assert torch.equal(m.modelopt_codes(which), getattr(r, which))
+        with torch.no_grad():
+            assert torch.equal(frag.model(ids).logits, ref.model(ids).logits)
+    # a partial reload (one expert projection): converted back first, then converted once
+    from quads_megatron import nvfp4
+
+    q = nvfp4.quantize(torch.randn(128, 128), backend="torch")
+    m.load("down_proj", 2, q)
+    r.load("down_proj", 2, q)
+    m.finish_load()
+    assert torch.equal(m.w2, to_kernel_layout(r.w2)) and torch.equal(m.w13, to_kernel_layout(r.w13))
