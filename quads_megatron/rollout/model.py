@@ -50,10 +50,7 @@ def _materialize(model, device) -> None:
 class RolloutModel:
     """An HF Qwen3MoeForCausalLM of ``hf_config`` whose plan-NVFP4 units run ``quads_megatron.kernels``."""
 
-    def __init__(self, hf_config, plan: QuantPlan, *, dtype: torch.dtype, device: torch.device,
-                 weight_layout: str = "modelopt"):
-        """weight_layout: the NVFP4 experts' code layout ("modelopt", or ``plan.kernel_layout.KERNEL_WEIGHT_LAYOUT``
-        for the v3 GEMM: permuted in place after every load)."""
+    def __init__(self, hf_config, plan: QuantPlan, *, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
         self.plan, self.dtype, self.device = plan, dtype, torch.device(device)
@@ -69,8 +66,7 @@ class RolloutModel:
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         self.model.eval().requires_grad_(False)
-        self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype,
-                                             weight_layout=weight_layout)
+        self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype)
         _materialize(self.model, self.device)
         self.calibration: Calibration | None = None  # the last calibrate()'s result
 
@@ -139,9 +135,6 @@ class RolloutModel:
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.rac_rebound = self.refresh_rac_columns()
-        for m in self.modules.values():  # the kernel layout, once per load, after the RAC columns
-            if hasattr(m, "finish_load"):
-                m.finish_load()
 
     def _load_experts_layer(self, q: QuantizedExperts, buffers: set, measure_error: bool) -> None:
         """Copy a layer's quantized experts into its module unless the kernel wrote them there; meter the error."""
@@ -229,10 +222,8 @@ class RolloutModel:
             p.data.copy_(ours[name].data)  # BF16 -> fp32 is exact
         ours = dict(self.model.named_buffers())
         for prefix, m in twin.modules.items():
-            mine = self.modules[prefix]
-            for name, b in m.named_buffers():  # the twin holds ModelOpt-order codes
-                b.copy_(mine.modelopt_codes(name) if name in ("w13", "w2") and hasattr(mine, "modelopt_codes")
-                        else ours[f"{prefix}.{name}"])
+            for name, b in m.named_buffers():
+                b.copy_(ours[f"{prefix}.{name}"])
         return twin
 
     def quant_error_report(self) -> dict[str, float]:

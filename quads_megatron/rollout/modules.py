@@ -17,8 +17,6 @@ from torch import nn
 
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
-from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
-                                               to_kernel_layout)
 from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
                                         WEIGHT_SCALE_2, block_scale_cols, experts_group_names, nvfp4_weight_specs,
                                         packed_cols)
@@ -156,54 +154,18 @@ class ActQuantLinear(nn.Linear):
 class NVFP4Experts(_QuantExperts):
     """Drop-in for Qwen3MoeExperts: forward(hidden, top_k_index, top_k_weights) on ``w4a4_fused_moe``."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device,
-                 weight_layout: str = "modelopt"):
-        """weight_layout: "modelopt" (the codes as loaded) or ``plan.kernel_layout.KERNEL_WEIGHT_LAYOUT`` (the
-        codes permuted in place for the v3 GEMM after every load, ``finish_load``)."""
+    def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device):
         super().__init__(num_experts, hidden, ffn, precision)
         E, H, F = num_experts, hidden, ffn
-        if weight_layout not in ("modelopt", KERNEL_WEIGHT_LAYOUT):
-            raise ValueError(f"NVFP4Experts weight_layout: expected 'modelopt' or {KERNEL_WEIGHT_LAYOUT!r}, "
-                             f"got {weight_layout!r}")
-        if weight_layout != "modelopt" and not (kernel_layout_fits(2 * F, H) and kernel_layout_fits(H, F)):
-            raise ValueError(f"NVFP4Experts: the kernel layout needs N % 64 == 0 and K % 128 == 0; "
-                             f"w13 is [{2 * F}, {H}], w2 [{H}, {F}]")
-        self.weight_layout = weight_layout
-        self._codes_modelopt = True  # the code buffers hold ModelOpt order (before finish_load converts them)
         for which, (n, k) in (("w13", (2 * F, H)), ("w2", (H, F))):  # gate rows, then up; one scale_2 per expert
             specs = nvfp4_weight_specs(n, k, lead=(E,))
             for key, suffix in ((WEIGHT, ""), (WEIGHT_SCALE, "_scale"), (WEIGHT_SCALE_2, "_scale_2")):
                 shape, dtype = specs[key]
                 self.register_buffer(which + suffix, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def modelopt_codes(self, which: str) -> torch.Tensor:
-        """The packed codes of 'w13' or 'w2' in ModelOpt order (the buffer itself, or its inverse permutation)."""
-        codes = getattr(self, which)
-        return codes if self._codes_modelopt else from_kernel_layout(codes, which)
-
-    @torch.no_grad()
-    def _before_write(self, full: bool) -> None:
-        """The code buffers back in ModelOpt order before a write (a partial write must not mix orders; a full
-        overwrite needs no conversion), so ``finish_load`` converts every byte exactly once."""
-        if not self._codes_modelopt and not full:
-            for which in ("w13", "w2"):
-                getattr(self, which).copy_(from_kernel_layout(getattr(self, which), which))
-        self._codes_modelopt = True
-
-    @torch.no_grad()
-    def finish_load(self) -> None:
-        """After the last write of a load (and the RAC columns): permute the codes into the kernel layout in
-        place (same storage: captured CUDA graphs keep reading them); a no-op for "modelopt"."""
-        if self.weight_layout == "modelopt" or not self._codes_modelopt:
-            return
-        for which in ("w13", "w2"):
-            to_kernel_layout(getattr(self, which), out=getattr(self, which), name=which)
-        self._codes_modelopt = False
-
     @torch.no_grad()
     def load(self, proj: str, expert: int, q: nvfp4.NVFP4Tensor) -> None:
         """Write one expert projection's NVFP4 triple into the buffers in place."""
-        self._before_write(full=False)
         t = q.to_modelopt()
         F = self.ffn
         if proj in EXPERT_FC2:
@@ -219,7 +181,6 @@ class NVFP4Experts(_QuantExperts):
     @torch.no_grad()
     def load_layer(self, experts: list, fc1: nvfp4.NVFP4Tensor, fc2: nvfp4.NVFP4Tensor) -> None:
         """Write stacked NVFP4 experts (fc1 [E', 2F, H], fc2 [E', H, F] of expert indices ``experts``) in place."""
-        self._before_write(full=list(experts) == list(range(self.num_experts)))
         idx = torch.as_tensor(experts, dtype=torch.long, device=self.w13.device)
         for which, q in (("w13", fc1), ("w2", fc2)):
             for suffix, t in (("", q.data), ("_scale", q.scale.view(torch.uint8)),
@@ -233,7 +194,6 @@ class NVFP4Experts(_QuantExperts):
         w13 as [2E, F, H/2] for role (gate_proj, up_proj), w2 for (down_proj,); None for a partial set."""
         if experts != list(range(self.num_experts)):
             return None
-        self._before_write(full=True)  # the grouped kernel overwrites every byte
         E, F, H = self.num_experts, self.ffn, self.hidden
         if tuple(role) == EXPERT_FC1:
             return (self.w13.view(2 * E, F, packed_cols(H)), self.w13_scale.view(2 * E, F, block_scale_cols(H)),
@@ -243,7 +203,7 @@ class NVFP4Experts(_QuantExperts):
         return None
 
     def dequantized(self, which: str) -> torch.Tensor:
-        return _dequantize(self.modelopt_codes(which), getattr(self, f"{which}_scale"), getattr(self, f"{which}_scale_2"))
+        return _dequantize(getattr(self, which), getattr(self, f"{which}_scale"), getattr(self, f"{which}_scale_2"))
 
     def refresh_rac_columns(self) -> bool:
         """Store the RAC weight columns Wq[:, S] the kernels' residual K-steps read, in place (captured
@@ -254,10 +214,8 @@ class NVFP4Experts(_QuantExperts):
             return False
         from quads_megatron.kernels.rac_columns import rac_weight_columns
 
-        a = _store(self, "w13_comp_weight", rac_weight_columns(self.modelopt_codes("w13"), self.w13_scale,
-                                                               self.w13_comp_index))
-        return _store(self, "w2_comp_weight", rac_weight_columns(self.modelopt_codes("w2"), self.w2_scale,
-                                                                 self.w2_comp_index)) or a
+        a = _store(self, "w13_comp_weight", rac_weight_columns(self.w13, self.w13_scale, self.w13_comp_index))
+        return _store(self, "w2_comp_weight", rac_weight_columns(self.w2, self.w2_scale, self.w2_comp_index)) or a
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.calibrator is not None:
@@ -269,8 +227,7 @@ class NVFP4Experts(_QuantExperts):
             self.w2_scale_2, top_k_weights, top_k_index, act_mode=self.precision.value,
             w13_comp_index=self.w13_comp_index, w2_comp_index=self.w2_comp_index,
             w13_input_scale=self.w13_input_scale, w2_input_scale=self.w2_input_scale,
-            w13_comp_weight=self.w13_comp_weight, w2_comp_weight=self.w2_comp_weight,
-            weight_layout="modelopt" if self._codes_modelopt else self.weight_layout)
+            w13_comp_weight=self.w13_comp_weight, w2_comp_weight=self.w2_comp_weight)
 
 
 class NVFP4Linear(nn.Module):
@@ -326,12 +283,10 @@ def graph_safe(module) -> bool:
     return isinstance(module, (NVFP4Experts, NVFP4Linear))
 
 
-def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=None,
-                          weight_layout: str = "modelopt") -> dict:
+def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=None) -> dict:
     """Replace the plan's rollout-NVFP4 units of an HF Qwen3-MoE; return {HF module prefix: module}.
 
-    device / dtype of the new modules: default, those of the model's first parameter; weight_layout: the
-    experts' code layout (``NVFP4Experts``)."""
+    device / dtype of the new modules: default, those of the model's first parameter."""
     p0 = next(model.parameters())
     device = p0.device if device is None else device
     dtype = p0.dtype if dtype is None else dtype
@@ -340,7 +295,7 @@ def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=
     for i, layer in enumerate(model.model.layers):
         prec = plan.layer_precision(i, Scope.ROUTED_EXPERTS)
         if prec.quantizes_weights:
-            layer.mlp.experts = NVFP4Experts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device, weight_layout)
+            layer.mlp.experts = NVFP4Experts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device)
         elif prec.quantizes_activations:
             layer.mlp.experts = ActQuantExperts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device, dtype)
         if prec.quantizes_weights or prec.quantizes_activations:
