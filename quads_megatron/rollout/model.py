@@ -69,6 +69,7 @@ class RolloutModel:
         self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype)
         _materialize(self.model, self.device)
         self.calibration: Calibration | None = None  # the last calibrate()'s result
+        self._twin: RolloutModel | None = None  # the fp32 calibration copy (_calibration_twin)
 
     @property
     def graph_safe(self) -> bool:
@@ -77,7 +78,6 @@ class RolloutModel:
         dtype whose grouped_mm is sync-free on the GPU (others fall back to a host-synchronising path)."""
         hf_experts = [n for n, _ in self.model.named_modules() if n.endswith("mlp.experts") and n not in self.modules]
         return all(graph_safe(m) for m in self.modules.values()) and (not hf_experts or self.dtype == torch.bfloat16)
-        self._twin: RolloutModel | None = None
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
