@@ -258,7 +258,8 @@ def run_calibration(args, dims, plan, config: dict):
                                  seed=args.seed)
         source = f"random(seed={args.seed})"
     hf_config = Qwen3MoeConfig.from_dict(config)
-    model = RolloutModel(hf_config, plan, dtype=CALIBRATION_DTYPE, device=resolve_device(args.device))
+    model = RolloutModel(hf_config, plan, dtype=CALIBRATION_DTYPE, device=resolve_device(args.device),
+                         kernel_layout=False)  # calibrates only: the checkpoint keeps ModelOpt's layout
     with HFCheckpoint(args.load_dir) as ckpt:
         model.load_weights((n, ckpt.get(n)) for n in qwen3_moe.hf_shapes(dims))
     model.calibrate(prompts, progress=not args.no_progress)

@@ -241,8 +241,10 @@ class GRPOTrainer:
         if self._calibration_model is None:
             from quads_megatron.device import resolve_device
 
+            # kernel_layout=False: the sync sends this model's NVFP4 buffers after the stream, in ModelOpt order
             self._calibration_model = RolloutModel(self.policy.hf_config(), self.policy.plan,
-                                                   dtype=CALIBRATION_DTYPE, device=resolve_device(None))
+                                                   dtype=CALIBRATION_DTYPE, device=resolve_device(None),
+                                                   kernel_layout=False)
         model, nvfp4 = self._calibration_model, self.engine.sends_nvfp4
 
         def stream():

@@ -50,10 +50,16 @@ def _materialize(model, device) -> None:
 class RolloutModel:
     """An HF Qwen3MoeForCausalLM of ``hf_config`` whose plan-NVFP4 units run ``quads_megatron.kernels``."""
 
-    def __init__(self, hf_config, plan: QuantPlan, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hf_config, plan: QuantPlan, *, dtype: torch.dtype, device: torch.device,
+                 kernel_layout: bool = True):
+        """kernel_layout: NVFP4 codes held in the kernels' byte order where the shapes fit (the modules decide
+        by shape); False for a model that only calibrates and forwards its NVFP4 bytes as they are (the SGLang
+        sync's and the exporter's calibration models: their buffers are read after the stream, in ModelOpt
+        order, and they never run the kernels)."""
         from transformers import AutoModelForCausalLM
 
         self.plan, self.dtype, self.device = plan, dtype, torch.device(device)
+        self.kernel_layout = kernel_layout
         self.layout = RolloutLayout(plan)
         cfg = copy.deepcopy(hf_config)
         # BF16 experts: transformers' grouped_mm path on a GPU (no host syncs, so decode can be graph-captured)
@@ -66,7 +72,8 @@ class RolloutModel:
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         self.model.eval().requires_grad_(False)
-        self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype)
+        self.modules = install_nvfp4_modules(self.model, plan, device=self.device, dtype=dtype,
+                                            kernel_layout=kernel_layout)
         _materialize(self.model, self.device)
         self.calibration: Calibration | None = None  # the last calibrate()'s result
         self._twin: RolloutModel | None = None  # the fp32 calibration copy (_calibration_twin)
@@ -96,7 +103,9 @@ class RolloutModel:
         quantized)``, or a layer's ``QuantizedExperts`` for an ``ExpertsLayer`` input) once it is in place,
         so a caller that forwards the weights (the SGLang sync) reuses the
         NVFP4 tensors built here instead of quantizing twice or holding the whole stream. Exhaust it: the
-        tied embeddings and RAC columns (``rac_rebound``) are settled after the last item."""
+        tied embeddings, RAC columns (``rac_rebound``) and the kernel layout are settled after the last item;
+        an item's NVFP4 tensors may be views of the modules' buffers, ModelOpt order only until then (a
+        caller that holds them past the stream builds the model with kernel_layout=False)."""
         params = dict(self.model.named_parameters())
         if measure_error:
             for m in self.modules.values():
@@ -134,7 +143,16 @@ class RolloutModel:
             raise ValueError("weight sync: no tensors received")
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
-        self.rac_rebound = self.refresh_rac_columns()
+        self.rac_rebound = self._settle_loads()
+
+    def _settle_loads(self) -> bool:
+        """After a load's last write: each module's RAC columns from its ModelOpt codes, then what the load
+        wrote into the kernel layout, in place; True when a RAC column tensor had to be rebound."""
+        rebound = False
+        for m in self.modules.values():
+            if hasattr(m, "settle_load"):
+                rebound |= m.settle_load()
+        return rebound
 
     def _load_experts_layer(self, q: QuantizedExperts, buffers: set, measure_error: bool) -> None:
         """Copy a layer's quantized experts into its module unless the kernel wrote them there; meter the error."""
@@ -215,7 +233,8 @@ class RolloutModel:
     def _calibration_twin(self) -> "RolloutModel":
         """An fp32 copy of this model (built once, refilled on every call): the calibration runs in fp32."""
         if self._twin is None:
-            self._twin = RolloutModel(self.hf_config, self.plan, dtype=CALIBRATION_DTYPE, device=self.device)
+            self._twin = RolloutModel(self.hf_config, self.plan, dtype=CALIBRATION_DTYPE, device=self.device,
+                                      kernel_layout=self.kernel_layout)  # the buffers are copied byte for byte
         twin = self._twin
         ours = dict(self.model.named_parameters())
         for name, p in twin.model.named_parameters():

@@ -3,7 +3,11 @@
 Which layers are NVFP4 and at which precision comes from the ``QuantPlan``; buffer names, shapes
 and dtypes from its rollout layout (``plan.layout``).  The weights arrive already quantized by
 ``quantize_scale_groups`` (the SGLang sync's step) and are written into fixed buffers in place,
-so the modules keep their identity across weight updates.  While a ``plan.calibration.Calibrator``
+so the modules keep their identity across weight updates.  Where the shapes fit
+(``plan.kernel_layout.kernel_layout_fits``) a module holds its packed codes in the v3 kernels'
+byte order: each load writes ModelOpt bytes, ``settle_load`` converts exactly what was written
+(same storage), and everything that reads weights (calibration, RAC columns, checks) goes
+through ``modelopt_codes``.  While a ``plan.calibration.Calibrator``
 is attached (``RolloutModel.calibrate``) they run the calibration forward instead: dequantized
 weights, fp32, unquantized activations, each group's input rows handed to the calibrator.
 """
@@ -17,6 +21,8 @@ from torch import nn
 
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
+from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
+                                               to_kernel_layout)
 from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
                                         WEIGHT_SCALE_2, block_scale_cols, experts_group_names, nvfp4_weight_specs,
                                         packed_cols)
@@ -46,6 +52,25 @@ class _ErrorMeter:
     @property
     def rel(self) -> float:
         return (self.err / self.ref) ** 0.5 if self.ref > 0 else 0.0
+
+
+def _weight_layout(kernel_layout: bool, *shapes) -> str:
+    """The `weight_layout=` a module's [N, K] NVFP4 weights take: the kernel layout when asked and every
+    shape fits it, else ModelOpt's (the v2 main loop). Decided once, by shape, when the module is built."""
+    if kernel_layout and all(kernel_layout_fits(n, k) for n, k in shapes):
+        return KERNEL_WEIGHT_LAYOUT
+    return "modelopt"
+
+
+def _row_runs(rows: list) -> list:
+    """Sorted row indices -> [(start, stop)] of their contiguous runs."""
+    runs = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [tuple(x) for x in runs]
 
 
 def _kernels():
@@ -152,11 +177,18 @@ class ActQuantLinear(nn.Linear):
 
 
 class NVFP4Experts(_QuantExperts):
-    """Drop-in for Qwen3MoeExperts: forward(hidden, top_k_index, top_k_weights) on ``w4a4_fused_moe``."""
+    """Drop-in for Qwen3MoeExperts: forward(hidden, top_k_index, top_k_weights) on ``w4a4_fused_moe``.
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device):
+    kernel_layout: hold w13 / w2 in the kernels' byte order when their shapes fit (``weight_layout``);
+    False keeps ModelOpt's (a model whose buffers are forwarded as they are, e.g. the sync's calibration model)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, precision: Precision, device,
+                 kernel_layout: bool = True):
         super().__init__(num_experts, hidden, ffn, precision)
         E, H, F = num_experts, hidden, ffn
+        self.weight_layout = _weight_layout(kernel_layout, (2 * F, H), (H, F))
+        # rows written in ModelOpt order since the last settle_load: {"w13" | "w2": {(expert, row0, row1)}}
+        self._pending = {"w13": set(), "w2": set()}
         for which, (n, k) in (("w13", (2 * F, H)), ("w2", (H, F))):  # gate rows, then up; one scale_2 per expert
             specs = nvfp4_weight_specs(n, k, lead=(E,))
             for key, suffix in ((WEIGHT, ""), (WEIGHT_SCALE, "_scale"), (WEIGHT_SCALE_2, "_scale_2")):
@@ -172,9 +204,11 @@ class NVFP4Experts(_QuantExperts):
             self.w2[expert].copy_(t["weight"])
             self.w2_scale[expert].copy_(t["weight_scale"])
             self.w2_scale_2[expert].copy_(t["weight_scale_2"].reshape(()))
+            self._mark("w2", [expert])
             return
         rows = slice(0, F) if proj == EXPERT_FC1[0] else slice(F, 2 * F)
         self.w13[expert, rows].copy_(t["weight"])
+        self._mark("w13", [expert], rows.start, rows.stop)
         self.w13_scale[expert, rows].copy_(t["weight_scale"])
         self.w13_scale_2[expert].copy_(t["weight_scale_2"].reshape(()))  # gate and up share it
 
@@ -188,6 +222,7 @@ class NVFP4Experts(_QuantExperts):
                 buf = getattr(self, which + suffix)
                 buf = buf.view(torch.uint8) if suffix == "_scale" else buf
                 buf.index_copy_(0, idx, t.contiguous())
+            self._mark(which, experts)
 
     def grouped_buffers(self, role: tuple, experts: list):
         """(data, scale, S_dec) views that ``nvfp4.quantize_grouped`` fills for all experts in place:
@@ -195,6 +230,8 @@ class NVFP4Experts(_QuantExperts):
         if experts != list(range(self.num_experts)):
             return None
         E, F, H = self.num_experts, self.ffn, self.hidden
+        if tuple(role) in (EXPERT_FC1, EXPERT_FC2):  # the caller writes all of them (ModelOpt order)
+            self._mark("w13" if tuple(role) == EXPERT_FC1 else "w2", experts)
         if tuple(role) == EXPERT_FC1:
             return (self.w13.view(2 * E, F, packed_cols(H)), self.w13_scale.view(2 * E, F, block_scale_cols(H)),
                     self.w13_scale_2)
@@ -202,8 +239,61 @@ class NVFP4Experts(_QuantExperts):
             return self.w2, self.w2_scale, self.w2_scale_2
         return None
 
+    def _mark(self, which: str, experts, row0: int = 0, row1: int | None = None) -> None:
+        """Record rows just written in ModelOpt order (``settle_load`` converts them once)."""
+        if self.weight_layout != "modelopt":
+            row1 = getattr(self, which).shape[1] if row1 is None else row1
+            self._pending[which].update((int(e), row0, row1) for e in experts)
+
+    def _all_pending(self, which: str) -> bool:
+        """True when every row of ``which`` was written since the last conversion (all ModelOpt order)."""
+        n = getattr(self, which).shape[1]
+        pending = self._pending[which]
+        return len(pending) >= self.num_experts and all(
+            (e, 0, n) in pending or {(e, 0, n // 2), (e, n // 2, n)} <= pending for e in range(self.num_experts))
+
+    @torch.no_grad()
+    def _convert_pending(self, which: str) -> None:
+        """The rows written since the last conversion -> the kernel layout, in place (never converts twice)."""
+        pending, buf = self._pending[which], getattr(self, which)
+        if not pending:
+            return
+        if self._all_pending(which):
+            to_kernel_layout(buf, out=buf, name=which)
+        else:
+            rows = {}  # expert -> its written rows, each converted once however often it was written
+            for e, r0, r1 in pending:
+                rows.setdefault(e, set()).update(range(r0, r1))
+            for e, written in sorted(rows.items()):
+                for r0, r1 in _row_runs(sorted(written)):
+                    part = buf[e, r0:r1]
+                    to_kernel_layout(part, out=part, name=f"{which}[{e}, {r0}:{r1}]")
+        pending.clear()
+
+    def modelopt_codes(self, which: str) -> torch.Tensor:
+        """'w13' / 'w2' packed codes in ModelOpt order (the buffer itself in the v2 layout, else a copy):
+        what checks, RAC columns, calibration and re-sends read."""
+        buf = getattr(self, which)
+        if self.weight_layout == "modelopt" or self._all_pending(which):
+            return buf
+        self._convert_pending(which)  # a partial load still in flight: settle it so the buffer is one layout
+        return from_kernel_layout(buf, name=which)
+
+    def settle_load(self) -> bool:
+        """After the last write of a load: the RAC columns from the ModelOpt codes, then exactly the rows
+        this load wrote into the kernel layout (same storage: captured graphs stay valid). True when a RAC
+        column tensor had to be rebound."""
+        for which in ("w13", "w2"):
+            if not self._all_pending(which):
+                self._convert_pending(which)  # a partial load: one layout before the columns read it back
+        rebound = self.refresh_rac_columns()
+        for which in ("w13", "w2"):
+            self._convert_pending(which)
+        return rebound
+
     def dequantized(self, which: str) -> torch.Tensor:
-        return _dequantize(getattr(self, which), getattr(self, f"{which}_scale"), getattr(self, f"{which}_scale_2"))
+        return _dequantize(self.modelopt_codes(which), getattr(self, f"{which}_scale"),
+                           getattr(self, f"{which}_scale_2"))
 
     def refresh_rac_columns(self) -> bool:
         """Store the RAC weight columns Wq[:, S] the kernels' residual K-steps read, in place (captured
@@ -214,8 +304,10 @@ class NVFP4Experts(_QuantExperts):
             return False
         from quads_megatron.kernels.rac_columns import rac_weight_columns
 
-        a = _store(self, "w13_comp_weight", rac_weight_columns(self.w13, self.w13_scale, self.w13_comp_index))
-        return _store(self, "w2_comp_weight", rac_weight_columns(self.w2, self.w2_scale, self.w2_comp_index)) or a
+        a = _store(self, "w13_comp_weight", rac_weight_columns(self.modelopt_codes("w13"), self.w13_scale,
+                                                                self.w13_comp_index))
+        return _store(self, "w2_comp_weight", rac_weight_columns(self.modelopt_codes("w2"), self.w2_scale,
+                                                                 self.w2_comp_index)) or a
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.calibrator is not None:
@@ -227,15 +319,18 @@ class NVFP4Experts(_QuantExperts):
             self.w2_scale_2, top_k_weights, top_k_index, act_mode=self.precision.value,
             w13_comp_index=self.w13_comp_index, w2_comp_index=self.w2_comp_index,
             w13_input_scale=self.w13_input_scale, w2_input_scale=self.w2_input_scale,
-            w13_comp_weight=self.w13_comp_weight, w2_comp_weight=self.w2_comp_weight)
+            w13_comp_weight=self.w13_comp_weight, w2_comp_weight=self.w2_comp_weight,
+            weight_layout=self.weight_layout)
 
 
 class NVFP4Linear(nn.Module):
     """Drop-in for an attention nn.Linear (no bias) on ``w4a4_linear``."""
 
-    def __init__(self, out_features: int, in_features: int, precision: Precision, device):
+    def __init__(self, out_features: int, in_features: int, precision: Precision, device,
+                 kernel_layout: bool = True):
         super().__init__()
         self.precision, self.in_features, self.out_features = precision, in_features, out_features
+        self.weight_layout = _weight_layout(kernel_layout, (out_features, in_features))
         for name, (shape, dtype) in nvfp4_weight_specs(out_features, in_features).items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.comp_index = self.input_scale = None
@@ -247,9 +342,19 @@ class NVFP4Linear(nn.Module):
     def load(self, q: nvfp4.NVFP4Tensor) -> None:
         for name, t in q.to_modelopt().items():
             getattr(self, name).copy_(t.reshape(getattr(self, name).shape))
+        if self.weight_layout != "modelopt":  # one write per load, complete: convert it now, in place
+            to_kernel_layout(self.weight, out=self.weight, name="weight")
+
+    def modelopt_codes(self) -> torch.Tensor:
+        """The packed codes in ModelOpt order (the buffer itself in the v2 layout, else a copy)."""
+        return self.weight if self.weight_layout == "modelopt" else from_kernel_layout(self.weight)
+
+    def settle_load(self) -> bool:
+        """After a load: the RAC columns (the codes were converted as they were written)."""
+        return self.refresh_rac_columns()
 
     def dequantized(self) -> torch.Tensor:
-        return _dequantize(self.weight, self.weight_scale, self.weight_scale_2)
+        return _dequantize(self.modelopt_codes(), self.weight_scale, self.weight_scale_2)
 
     def forward(self, x):
         if self.calibrator is not None:
@@ -258,7 +363,8 @@ class NVFP4Linear(nn.Module):
             raise RuntimeError("w4a4_rac rollout: RAC channels not calibrated (call LocalEngine.calibrate)")
         return _kernels().w4a4_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
                                       act_mode=self.precision.value, comp_index=self.comp_index,
-                                      input_scale=self.input_scale, comp_weight=self.comp_weight)
+                                      input_scale=self.input_scale, comp_weight=self.comp_weight,
+                                      weight_layout=self.weight_layout)
 
     def refresh_rac_columns(self) -> bool:
         """As `NVFP4Experts.refresh_rac_columns`: Wq[:, S] stored in place after a load or calibration."""
@@ -266,7 +372,8 @@ class NVFP4Linear(nn.Module):
             return False
         from quads_megatron.kernels.rac_columns import rac_weight_columns
 
-        return _store(self, "comp_weight", rac_weight_columns(self.weight, self.weight_scale, self.comp_index))
+        return _store(self, "comp_weight", rac_weight_columns(self.modelopt_codes(), self.weight_scale,
+                                                              self.comp_index))
 
 
 @torch.no_grad()
@@ -283,10 +390,12 @@ def graph_safe(module) -> bool:
     return isinstance(module, (NVFP4Experts, NVFP4Linear))
 
 
-def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=None) -> dict:
+def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=None,
+                          kernel_layout: bool = True) -> dict:
     """Replace the plan's rollout-NVFP4 units of an HF Qwen3-MoE; return {HF module prefix: module}.
 
-    device / dtype of the new modules: default, those of the model's first parameter."""
+    device / dtype of the new modules: default, those of the model's first parameter; kernel_layout:
+    NVFP4 weights in the kernels' byte order where the shapes fit (False: ModelOpt order everywhere)."""
     p0 = next(model.parameters())
     device = p0.device if device is None else device
     dtype = p0.dtype if dtype is None else dtype
@@ -295,7 +404,8 @@ def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=
     for i, layer in enumerate(model.model.layers):
         prec = plan.layer_precision(i, Scope.ROUTED_EXPERTS)
         if prec.quantizes_weights:
-            layer.mlp.experts = NVFP4Experts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device)
+            layer.mlp.experts = NVFP4Experts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device,
+                                             kernel_layout)
         elif prec.quantizes_activations:
             layer.mlp.experts = ActQuantExperts(d.num_experts, d.hidden_size, d.moe_ffn, prec, device, dtype)
         if prec.quantizes_weights or prec.quantizes_activations:
@@ -306,7 +416,8 @@ def install_nvfp4_modules(model: nn.Module, plan: QuantPlan, device=None, dtype=
                 lin = getattr(layer.self_attn, proj)
                 if lin.bias is not None:
                     raise ValueError(f"{t.name}: NVFP4 attention linears have no bias")
-                m = (NVFP4Linear(lin.out_features, lin.in_features, t.rollout, device) if t.rollout.quantizes_weights
+                m = (NVFP4Linear(lin.out_features, lin.in_features, t.rollout, device, kernel_layout)
+                     if t.rollout.quantizes_weights
                      else ActQuantLinear(lin.in_features, lin.out_features, t.rollout, device, dtype))
                 setattr(layer.self_attn, proj, m)
                 modules[t.module] = m

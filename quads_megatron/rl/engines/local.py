@@ -37,8 +37,10 @@ class LocalEngine(RolloutEngine):
     (``quads_megatron.rollout.RolloutModel``: weights, NVFP4 modules and calibration live there)."""
 
     def __init__(self, hf_config, plan, max_seq_len: int = 64, dtype: torch.dtype | None = None,
-                 pad_token_id: int = 0, device: torch.device | str | None = None):
-        """plan: the run's QuantPlan (which layers are NVFP4 and how; the trainer's and exporter's plan)."""
+                 pad_token_id: int = 0, device: torch.device | str | None = None, kernel_layout: bool = True):
+        """plan: the run's QuantPlan (which layers are NVFP4 and how; the trainer's and exporter's plan);
+        kernel_layout: NVFP4 weights in the kernels' v3 byte order where the shapes fit (False: the v2
+        layout everywhere, the comparison the tests make)."""
         from quads_megatron.device import resolve_device
         from quads_megatron.rollout import RolloutModel, RoutedExpertsRecorder
 
@@ -48,7 +50,7 @@ class LocalEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         device = resolve_device(device)
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        self.rollout = RolloutModel(hf_config, plan, dtype=self.dtype, device=device)
+        self.rollout = RolloutModel(hf_config, plan, dtype=self.dtype, device=device, kernel_layout=kernel_layout)
         self.model = self.rollout.model
         self.device = device
         self.nvfp4_modules = self.rollout.modules
