@@ -86,3 +86,5 @@ def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name, fc1_shards
     for pname, sids in (("w13_weight", fc1_shards), ("w13_weight_scale", fc1_shards), ("w2_weight", ("w2",)),
                         ("w2_weight_scale", ("w2",))):
         layer.quads_slices.mark(pname, [(s, sid) for s, _ in pairs for sid in sids])
+        if pname in ("w13_weight", "w2_weight"):  # written in ModelOpt order: converted once after the update
+            layer.quads_fresh.mark(pname, [(s, sid) for s, _ in pairs for sid in sids])

@@ -16,7 +16,7 @@ and N-sharded slices convert independently; a K-sharded weight converts its loca
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -49,3 +49,25 @@ def from_kernel_layout(frag: torch.Tensor, name: str = "weight") -> torch.Tensor
     """The exact inverse of `to_kernel_layout`: the kernel's bytes -> ModelOpt packed codes."""
     check_fragment_shape(frag, name)
     return from_fragment_order(frag)
+
+
+def _runs(rows: list) -> list:
+    """Sorted row indices -> [(start, stop)] of their contiguous runs."""
+    runs = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [tuple(x) for x in runs]
+
+
+def rows_to_kernel_layout(codes: torch.Tensor, written: Mapping[int, Iterable[int]],
+                          name: str = "weight") -> None:
+    """A partial load's step: convert in place the rows a load wrote, ``written`` = {expert: row indices}
+    of ModelOpt codes [E, N, K/2], each row once however often it was written (runs of whole 64-row
+    tiles: the layout is tile-local, the other rows keep their kernel-layout bytes)."""
+    for e, rows in sorted(written.items()):
+        for r0, r1 in _runs(sorted(set(rows))):
+            part = codes[e, r0:r1]
+            to_kernel_layout(part, out=part, name=f"{name}[{e}, {r0}:{r1}]")

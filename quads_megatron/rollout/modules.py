@@ -22,7 +22,7 @@ from torch import nn
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
 from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
-                                               to_kernel_layout)
+                                               rows_to_kernel_layout, to_kernel_layout)
 from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
                                         WEIGHT_SCALE_2, block_scale_cols, experts_group_names, nvfp4_weight_specs,
                                         packed_cols)
@@ -60,17 +60,6 @@ def _weight_layout(kernel_layout: bool, *shapes) -> str:
     if kernel_layout and all(kernel_layout_fits(n, k) for n, k in shapes):
         return KERNEL_WEIGHT_LAYOUT
     return "modelopt"
-
-
-def _row_runs(rows: list) -> list:
-    """Sorted row indices -> [(start, stop)] of their contiguous runs."""
-    runs = []
-    for r in rows:
-        if runs and runs[-1][1] == r:
-            runs[-1][1] = r + 1
-        else:
-            runs.append([r, r + 1])
-    return [tuple(x) for x in runs]
 
 
 def _kernels():
@@ -261,13 +250,10 @@ class NVFP4Experts(_QuantExperts):
         if self._all_pending(which):
             to_kernel_layout(buf, out=buf, name=which)
         else:
-            rows = {}  # expert -> its written rows, each converted once however often it was written
+            rows = {}  # expert -> its written rows (converted once however often they were written)
             for e, r0, r1 in pending:
                 rows.setdefault(e, set()).update(range(r0, r1))
-            for e, written in sorted(rows.items()):
-                for r0, r1 in _row_runs(sorted(written)):
-                    part = buf[e, r0:r1]
-                    to_kernel_layout(part, out=part, name=f"{which}[{e}, {r0}:{r1}]")
+            rows_to_kernel_layout(buf, rows, name=which)
         pending.clear()
 
     def modelopt_codes(self, which: str) -> torch.Tensor:

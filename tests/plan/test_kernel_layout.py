@@ -7,7 +7,7 @@ from quads_megatron.kernels import reference, w4a4_fused_moe
 from quads_megatron.kernels.ops import WEIGHT_LAYOUTS
 from quads_megatron.nvfp4 import quantize
 from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout,
-                                               kernel_layout_fits, to_kernel_layout)
+                                               kernel_layout_fits, rows_to_kernel_layout, to_kernel_layout)
 
 
 def _codes(*shape, seed=0):
@@ -35,6 +35,18 @@ def test_row_tiles_convert_independently():
     assert torch.equal(whole[1], to_kernel_layout(w13[1]))
     assert torch.equal(whole[:, 128:], to_kernel_layout(w13[:, 128:]))
     assert torch.equal(whole[2, 64:192], to_kernel_layout(w13[2, 64:192]))
+
+
+def test_a_partial_load_converts_each_written_row_once():
+    """Experts' rows written in ModelOpt order over kernel-layout bytes: overlapping marks convert once."""
+    old, new = _codes(3, 256, 64, seed=1), _codes(3, 256, 64, seed=2)
+    buf = to_kernel_layout(old)
+    buf[1, 128:] = new[1, 128:]           # expert 1's up half
+    buf[2] = new[2]                       # all of expert 2
+    rows_to_kernel_layout(buf, {1: range(128, 256), 2: list(range(0, 128)) + list(range(64, 256))})
+    want = old.clone()
+    want[1, 128:], want[2] = new[1, 128:], new[2]
+    assert torch.equal(buf, to_kernel_layout(want))
 
 
 def test_fits_and_errors():
