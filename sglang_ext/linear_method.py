@@ -15,6 +15,10 @@ exporters share them) run as one GEMM; otherwise each shard runs with its own sc
 is exact where ModelOpt's `.max()` would not be. The first load fixes that plan (CUDA graphs
 replay it); a weight update that would need a different one is refused with a clear error. Static activation scales take the max over
 shards, as ModelOpt does (all shards read the same activation).
+Kernel layout (issue 25): where every shard's rows and the local K fit (`plan.kernel_layout`),
+`layer.quads_weight_layout` is the v3 kernels' byte order: loads write ModelOpt bytes, the shards
+they wrote (`layer.quads_fresh`) are converted in place, once, by `process_weights_after_loading`
+after the RAC columns are built from ModelOpt codes; `modelopt_codes` reads them back.
 Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`): dtype, shape,
 finite positive scales, NaN E4M3 bytes, RAC indices; `process_weights_after_loading` names any
 shard the first load did not write. So the forward runs without the kernels' value checks
@@ -42,6 +46,8 @@ from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.nvfp4 import BLOCK_SIZE
+from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
+                                               rows_to_kernel_layout, to_kernel_layout)
 from quads_megatron.plan.layout import (COMP_INDEX, COMP_INDEX_DTYPE, WEIGHT, WEIGHT_SCALE, block_scale_cols,
                                         nvfp4_weight_specs, packed_cols)
 
@@ -76,6 +82,39 @@ def _full_rows(layer: torch.nn.Module, shards: List[int]) -> Optional[int]:
     if len(sizes) != len(layer.logical_widths):
         return None
     return sum(sizes[i] for i in shards)
+
+
+def _shard_bounds(layer: torch.nn.Module) -> List[int]:
+    return torch.tensor([0] + list(layer.logical_widths)).cumsum(0).tolist()
+
+
+def _fresh_rows(layer: torch.nn.Module) -> set:
+    """Rows of `weight` written in ModelOpt order since the last conversion."""
+    b = _shard_bounds(layer)
+    return {r for s in layer.quads_fresh.written.get("weight", ()) for r in range(b[s], b[s + 1])}
+
+
+def _convert_fresh(layer: torch.nn.Module) -> None:
+    """The shards written since the last conversion -> the kernel layout, in place, each exactly once."""
+    rows = _fresh_rows(layer)
+    layer.quads_fresh.written.pop("weight", None)
+    if layer.quads_weight_layout == "modelopt" or not rows:
+        return
+    w = layer.weight.data
+    if len(rows) == w.shape[0]:
+        to_kernel_layout(w, out=w)
+    else:
+        rows_to_kernel_layout(w.unsqueeze(0), {0: rows})
+
+
+def modelopt_codes(layer: torch.nn.Module) -> torch.Tensor:
+    """`weight` in ModelOpt order (the parameter itself in the v2 layout, else a copy): RAC columns,
+    checks and any read-back for a re-send."""
+    w = layer.weight.detach()
+    if layer.quads_weight_layout == "modelopt" or len(_fresh_rows(layer)) == w.shape[0]:
+        return w
+    _convert_fresh(layer)  # a load in flight: one layout before reading back
+    return from_kernel_layout(w)
 
 
 class PerShardIndexParameter(BasevLLMParameter):
@@ -160,6 +199,10 @@ class QuadsLinearMethod(LinearMethodBase):
         layer.params_dtype = params_dtype
         layer.quads_input_size = input_size
         layer.quads_slices = SliceLog()
+        layer.quads_fresh = SliceLog()  # weight shards written in ModelOpt order since the last conversion
+        fits = kernel_layout_fits(n, input_size_per_partition) and all(
+            kernel_layout_fits(w, input_size_per_partition) for w in output_partition_sizes)
+        layer.quads_weight_layout = KERNEL_WEIGHT_LAYOUT if fits else "modelopt"  # by shape, for the layer's life
 
         def loader(pname: str):
             return checked_loader(weight_loader, functools.partial(self._check_loaded, layer, pname))
@@ -199,6 +242,8 @@ class QuadsLinearMethod(LinearMethodBase):
         else:
             loaded = check_tensor_scale(name, loaded, "scale")
         layer.quads_slices.mark(pname, shards)
+        if pname == "weight":
+            layer.quads_fresh.mark(pname, shards)
         return loaded
 
     # --- after loading (runs again at the end of every RL weight update) ---------------
@@ -236,11 +281,12 @@ class QuadsLinearMethod(LinearMethodBase):
             copy_or_rebind_param(layer, "input_global_scale", layer.input_scale.detach().max().reshape(()))
         comp = layer.input_comp_index.detach().view(shards, -1) if self.rollout.uses_rac else None
         if comp is not None:  # the weights are final here (first load and every weight update)
-            bounds = torch.tensor([0] + list(layer.logical_widths)).cumsum(0).tolist()
-            w, ws = layer.weight.detach(), layer.weight_scale.detach()
+            bounds = _shard_bounds(layer)
+            w, ws = modelopt_codes(layer), layer.weight_scale.detach()
             copy_or_rebind_param(layer, "comp_weight", torch.cat([
                 rac_weight_columns(w[lo:hi], ws[lo:hi], comp[i])
                 for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]))
+        _convert_fresh(layer)  # last: what this update wrote, into the kernel layout
         shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
         # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
         # may not switch a fused layer to per-shard GEMMs (per-shard stays valid for any data).
@@ -282,12 +328,14 @@ class QuadsLinearMethod(LinearMethodBase):
             ws2, comp = self._shard_args(layer, 0)
             return w4a4_linear(x, layer.weight, layer.weight_scale, ws2, act_mode=mode,
                                comp_index=comp, input_scale=input_scale, bias=bias,
-                               check_inputs=False, comp_weight=self._comp_weight(layer))
+                               check_inputs=False, comp_weight=self._comp_weight(layer),
+                               weight_layout=layer.quads_weight_layout)
         outs = []
         for i, (lo, hi) in enumerate(rows):
             ws2, comp = self._shard_args(layer, i)
             outs.append(w4a4_linear(x, layer.weight[lo:hi], layer.weight_scale[lo:hi], ws2,
                                     act_mode=mode, comp_index=comp, input_scale=input_scale,
                                     bias=None if bias is None else bias[lo:hi], check_inputs=False,
-                                    comp_weight=self._comp_weight(layer, (lo, hi))))
+                                    comp_weight=self._comp_weight(layer, (lo, hi)),
+                                    weight_layout=layer.quads_weight_layout))
         return torch.cat(outs, dim=-1)

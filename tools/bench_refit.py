@@ -183,6 +183,7 @@ def main():
     print("correctness: the layer stream and the one-read refit pass write the old paths' bytes, in place")
 
     B_IN, B_FQ, B_NV = 2.0, 2.0, 0.5625  # per parameter: read BF16, write BF16 fake-quant, write codes + scales
+    B_CODES = 0.5  # the packed codes alone (the kernel-layout conversion reads and writes them once)
     rows = [  # key, what, bytes moved per parameter by design, floor bytes per parameter (the result's own)
         ("refresh", "(a) AQAT refresh, amax + fake-quant passes (old)", refresh_old, 2 * B_IN + B_FQ, B_IN + B_FQ),
         ("amax", "(a1) amax pass (once per step, shared by (a2), (c3), (d))", amax_pass, B_IN, B_IN),
@@ -195,6 +196,9 @@ def main():
          lambda i: build_layer(i, True, amax=True), B_IN + B_NV, B_IN + B_NV),
         ("refit", "(d) refresh + build + load in place from one read, the step's amax",
          lambda i: build_layer(i, True, refit=True), B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
+        ("refit_kernel_layout", "(d2) (d) + the v3 kernel-layout conversion of the codes in place (settle_load)",
+         lambda i: (build_layer(i, True, refit=True), engines[i].settle_load()), B_IN + B_FQ + B_NV + 2 * B_CODES,
+         B_IN + B_FQ + B_NV),
         ("step_old", "(e) a step's refit before: (a) + (c)", step_old, 4 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
         ("step_new", "(f) a step's refit now: (a1) + (d)", step_new, 2 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
         ("build", "(b) build NVFP4, per-expert HF stream (old)", lambda i: build_old(i, False), 2 * B_IN + B_NV,

@@ -173,31 +173,41 @@ def test_v3_kernels_sample_the_v2_kernels_cpu(precision, monkeypatch):
     monkeypatch.setenv("QUADS_BACKEND", "triton")
     v3, v2 = _engine(precision), _engine(precision, kernel_layout=False)
     params = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=[])
-    _same_generation(v3, v2, params, atol=1e-4)
+    _same_generation(v3, v2, params)  # bit-identical: the v3 loop sums as the v2 loop does
     _update(v3, 1, _layer_stream)
     _update(v2, 1)
-    _same_generation(v3, v2, params, atol=1e-4)
+    _same_generation(v3, v2, params)  # bit-identical: the v3 loop sums as the v2 loop does
+
+
+def _logits_close(a, b, tol):
+    """Full-forward logits of both engines on one prompt: relative error below tol (GPU tiles of the two main
+    loops may sum in different orders, so greedy tokens of a random model are compared within one engine)."""
+    ids = torch.tensor([PROMPTS[2]], device=a.device)
+    la, lb = a.model(input_ids=ids).logits.float(), b.model(input_ids=ids).logits.float()
+    assert float((la - lb).norm() / lb.norm()) < tol
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["w4a4", "w4a4_rac", "w4a16"])
 def test_v3_engine_cuda_graphs_gpu(precision):
-    """On CUDA (bf16, graphs): the v3 engine replays its captured step (eager = graph), keeps it across an
-    in-place layer-stream reload, and samples what the v2 engine samples."""
+    """On CUDA (bf16, graphs): the v3 engine's buffers are one conversion of the v2 engine's, its logits the
+    v2 engine's, its captured step survives an in-place layer-stream reload, and graph = eager."""
     v3 = _engine(precision, device="cuda", dtype=torch.bfloat16)
     v2 = _engine(precision, kernel_layout=False, device="cuda", dtype=torch.bfloat16)
     assert v3.uses_cuda_graph
     _check_one_conversion(v3, v2)
+    _logits_close(v3, v2, 2e-2)
     params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[])
-    graph = _same_generation(v3, v2, params, atol=2e-2)
+    v3.generate(PROMPTS, params, seed=3)
     dec = v3._decoders[len(PROMPTS)]
     ptr = _experts(v3).w13.data_ptr()
     _update(v3, 1, _layer_stream)
     _update(v2, 1, _layer_stream)
     assert v3._decoders[len(PROMPTS)] is dec and _experts(v3).w13.data_ptr() == ptr
     _check_one_conversion(v3, v2)
-    graph = _same_generation(v3, v2, params, atol=2e-2)
+    _logits_close(v3, v2, 2e-2)
+    graph = v3.generate(PROMPTS, params, seed=3)
     v3.uses_cuda_graph = False
     v3._decoders.clear()
     eager = v3.generate(PROMPTS, params, seed=3)
