@@ -165,6 +165,23 @@ def test_a_partial_load_converts_only_what_it_wrote():
     _check_one_conversion(v3, v2)
 
 
+def test_a_model_whose_buffers_are_sent_keeps_modelopt_bytes():
+    """The SGLang sync's calibration model (kernel_layout=False) hands out views of its buffers that the sync
+    sends after the stream: they must be the quantizer's ModelOpt bytes (the same stream without buffers)."""
+    from quads_megatron.plan import quantize_scale_groups
+    from quads_megatron.plan.named_params import rollout_items
+    from quads_megatron.rollout import CALIBRATION_DTYPE, RolloutModel
+
+    eng = _engine("w4a4")
+    model = RolloutModel(_config(), eng.plan, dtype=CALIBRATION_DTYPE, device="cpu", kernel_layout=False)
+    named = _source_weights(4)
+    held = [(n, t) for item in model.load_groups(_layer_stream(named)) for n, t in rollout_items(item)]
+    want = dict((n, t) for item in quantize_scale_groups(_layer_stream(named), eng.plan) for n, t in rollout_items(item))
+    assert len(held) == len(want) and any(n.endswith("experts.0.gate_proj.weight") for n, _ in held)
+    for n, t in held:
+        assert t.dtype == want[n].dtype and torch.equal(t.reshape(-1).view(torch.uint8), want[n].reshape(-1).view(torch.uint8)), n
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or not interpreting(),
                     reason="CPU kernel tests need TRITON_INTERPRET=1 and no GPU")
 @pytest.mark.parametrize("precision", ["w4a4_rac"])
