@@ -69,7 +69,7 @@ for s in "$@"; do
       # issue 25 in one call: the GPU tests (kernels, loaders, engines; SGLang's skip without its wheel set), then
       # the MoE layer (BF16, FP8, v2, v3), the refit, the dense linear and the v3 tile sweep; each step bounded
       stage kernels
-      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
       stage moe_layer
       timeout 170 $PY tools/bench_moe_layer.py --iters 30 --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
       stage refit
