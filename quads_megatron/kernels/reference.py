@@ -113,11 +113,14 @@ def w4a4_moe_agreement(out: torch.Tensor, ref: torch.Tensor, tol: float) -> tupl
     at the fp32 level is asked of the median token, rare tokens may differ by one such code flip
     (< 5e-2), and a real fault (errors spread over many tokens) still fails. RAC quantizes the
     residual of h too (a second order-sensitive rounding), so it flips more tokens than W4A4;
-    docs/benchmarks.md records the shares measured; <= 5% is asked."""
+    docs/benchmarks.md records the shares measured; fewer than 5% of the tokens is asked, or a single
+    token (at 16 tokens one flip is already 6%)."""
     per_token = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-30)
-    flipped = float((per_token > 1e-5).float().mean())
-    stats = {"median": float(per_token.median()), "max": float(per_token.max()), "flipped": flipped}
-    return stats["median"] < tol and flipped <= 0.05 and stats["max"] < 5e-2, stats
+    n_flipped = int((per_token > 1e-5).sum())
+    rare = n_flipped <= 1 or n_flipped < 0.05 * per_token.numel()
+    stats = {"median": float(per_token.median()), "max": float(per_token.max()),
+             "flipped": n_flipped / per_token.numel()}
+    return stats["median"] < tol and rare and stats["max"] < 5e-2, stats
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> tuple:

@@ -661,6 +661,11 @@ def test_moe_agreement_allows_rare_code_flips_but_not_spread_error():
     many = ref.clone()
     many[:10] += 0.01 * ref[:10]           # 5% of tokens: not rare
     assert not reference.w4a4_moe_agreement(many, ref, 3e-6)[0]
+    few = ref[:16].clone()
+    few[5] += 0.01 * ref[5]                # one token of 16 (6%): a single flip is still rare
+    assert reference.w4a4_moe_agreement(few, ref[:16], 3e-6)[0]
+    few[6] += 0.01 * ref[6]                # two of 16: not
+    assert not reference.w4a4_moe_agreement(few, ref[:16], 3e-6)[0]
     big = ref.clone()
     big[3] += 0.2 * ref[3]                 # one token far beyond a flip
     assert not reference.w4a4_moe_agreement(big, ref, 3e-6)[0]
