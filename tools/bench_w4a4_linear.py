@@ -1,4 +1,4 @@
-"""Time the dense NVFP4 linear (`w4a4_linear`: fused launch, or activation pre-pass + GEMM) against cuBLAS BF16.
+"""Time the dense NVFP4 linear (`w4a4_linear`: activation pre-pass + GEMM) against cuBLAS BF16.
 
 Issue 13's dense goal: attention / shared projections at decode sizes (M = 16-256) not slower than
 a BF16 matmul. Shapes of Qwen3-30B-A3B's attention (q/k/v fused 2048 -> 5120, o 4096 -> 2048).
@@ -7,14 +7,11 @@ from HBM, not L2), median of the replays; our ops skip the host-syncing checks.
 
     PYTHONPATH=. python3 tools/bench_w4a4_linear.py [--m 1 16 32 64 256] [--json out.json] [--sweep]
 
-Per size: cuBLAS BF16, the op as dispatched (w4a16 / w4a4 / w4a4_rac), and both W4A4 forms timed
-explicitly with their default configs: "two" = act_quant pre-pass + GEMM (+ split-K sum launch),
-"fused" = `linear_fused` (one launch); "same" says whether the two forms gave the same bits
-under the fused default config.
+Per size: cuBLAS BF16, the op on ModelOpt-order codes (w4a16 / w4a4 / w4a4_rac) and w4a4_rac on the
+v3 kernel layout (`fragment_layout`, where N % 64 == 0 and K % 128 == 0).
 --sweep also times the parts (pre-pass alone; the GEMM alone, w4a16 and w4a4_rac on a
-pre-quantized activation) and the fused RAC launch under several tile / split-K / amax-step
-configs, the default first; the summary names the fastest of each, to set `FUSED_MAX_M`,
-`dense_config` and `fused_config`.
+pre-quantized activation) under several tile / split-K configs, the default first; the summary
+names the fastest, to set `dense_config`.
 """
 
 from __future__ import annotations
@@ -41,32 +38,6 @@ def sweep_configs(m: int) -> list:
     return [None] + [t._replace(split_k=s) for t in tiles for s in (1, 2, 4, 8)]
 
 
-def fused_sweep_configs(m: int) -> list:
-    """(GemmConfig or None, amax_k or None) for the fused launch at m rows (--sweep), defaults first."""
-    from quads_megatron.kernels.gemm import GemmConfig as C
-
-    if m <= 16:
-        tiles = [C(16, 64, 128, 4, 4, 8, True), C(16, 128, 128, 8, 3, 8, True), C(16, 64, 128, 4, 3, 8, False)]
-    elif m <= 32:
-        tiles = [C(32, 64, 128, 4, 4, 8, True), C(16, 64, 128, 4, 4, 8, True), C(64, 64, 128, 8, 3)]
-    elif m <= 64:
-        tiles = [C(64, 64, 128, 8, 3), C(64, 128, 128, 8, 3), C(32, 64, 128, 4, 4, 8, True),
-                 C(16, 64, 128, 4, 4, 8, True)]
-    else:
-        tiles = [C(64, 64, 128, 8, 3), C(64, 128, 128, 8, 3)]
-    out = [(None, None), (None, 256)]
-    return out + [(t._replace(split_k=s), None) for t in tiles for s in (1, 2, 4, 8)]
-
-
-def fused_frag_sweep_configs(m: int) -> list:
-    """GemmConfigs of the fused launch on fragment-order codes at m rows (--sweep)."""
-    from quads_megatron.kernels.gemm import GemmConfig as C
-
-    bm = 16 if m <= 16 else 32
-    tiles = [C(bm, 128, 128, 8, 3, 8, True), C(bm, 64, 128, 4, 4, 8, True)]
-    return [t._replace(split_k=s) for t in tiles for s in (1, 2, 4, 8)]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 256])
@@ -84,11 +55,9 @@ def main(argv=None) -> int:
     from quads_megatron.kernels.act_quant import quantize_activation_rac
     from quads_megatron.kernels.fragment_layout import to_fragment_order
     from quads_megatron.kernels.gemm import launch_gemm
-    from quads_megatron.kernels.linear_fused import FUSED_MAX_M, fused_config, w4a4_linear_fused
     from quads_megatron.kernels.rac_columns import rac_weight_columns
 
     dev = torch.device("cuda")
-    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -112,70 +81,17 @@ def main(argv=None) -> int:
 
                 ms[mode] = time_ms(ours, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-
-            def two(rac, config=None):
-                i = next(it) % COPIES
-                d, s, s2 = q[i]
-                qa = quantize_activation_rac(x, comp if rac else None)
-                r = (qa.r_values, qa.r_s_dec) if rac else None
-                return launch_gemm(qa.values, qa.s_dec, d[None], s[None], s2.reshape(1), out, m=m, r=r,
-                                   comp_weight=cols[i][None] if rac else None, config=config)
-
-            def fused(rac, config=None, amax_k=None):
-                i = next(it) % COPIES
-                d, s, s2 = q[i]
-                return w4a4_linear_fused(x, d, s, s2, out, comp_index=comp if rac else None,
-                                         comp_weight=cols[i] if rac else None, config=config, amax_k=amax_k)
-
-            same = True
-            for rac in (False, True):
-                tag = "rac" if rac else "w4a4"
-                ms[f"two {tag}"] = time_ms(lambda: two(rac), device="cuda", iters=args.iters, mode="graph", reps=COPIES)
-                ms[f"fused {tag}"] = time_ms(lambda: fused(rac), device="cuda", iters=args.iters, mode="graph", reps=COPIES)
-                it = iter(range(10 ** 9))  # both on weight copy 0, both under the fused config: same bits
-                a = two(rac, fused_config(m, n, k, num_sms)).clone()
-                it = iter(range(10 ** 9))
-                same = same and torch.equal(fused(rac), a)
-            ms["same"] = same
-            if n % 64 == 0 and k % 128 == 0:  # the v3 fragment-order codes (`fragment_layout`)
-                def two_frag():
+            if qf is not None:  # the v3 kernel layout: w4a4_rac on fragment-order codes
+                def rac_v3():
                     i = next(it) % COPIES
-                    qa = quantize_activation_rac(x, comp, fragment_order=True)
-                    return launch_gemm(qa.values, qa.s_dec, qf[i][None], q[i][1][None], q[i][2].reshape(1), out,
-                                       m=m, r=(qa.r_values, qa.r_s_dec), comp_weight=cols[i][None],
-                                       fragment_layout=True, config=frag_cfg)
+                    d, s, s2 = q[i]
+                    return w4a4_linear(x, qf[i], s, s2, act_mode="w4a4_rac", comp_index=comp, comp_weight=cols[i],
+                                       backend="triton", check_inputs=False, weight_layout="fragment")
 
-                def fused_frag(config=None):
-                    i = next(it) % COPIES
-                    return w4a4_linear_fused(x, qf[i], q[i][1], q[i][2], out, comp_index=comp, comp_weight=cols[i],
-                                             config=config, fragment_layout=True)
-
-                frag_cfg = None
-                ms["two rac v3"] = time_ms(two_frag, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
-                ms["fused rac v3"] = time_ms(fused_frag, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
-                frag_cfg = fused_config(m, n, k, num_sms, fragment_layout=True)
-                it = iter(range(10 ** 9))
-                a = two_frag().clone()
-                it = iter(range(10 ** 9))
-                ms["same v3"] = torch.equal(fused_frag(), a)
-                if args.sweep:
-                    for cfg in fused_frag_sweep_configs(m):
-                        key = ",".join(str(int(v)) for v in cfg)
-                        try:
-                            ms[f"fused_rac_v3 {key}"] = time_ms(lambda: fused_frag(cfg), device="cuda",
-                                                                iters=args.iters, mode="graph", reps=COPIES)
-                        except Exception as exc:
-                            ms[f"fused_rac_v3 {key}"] = f"ERR {type(exc).__name__}: {str(exc)[:60]}"
+                ms["w4a4_rac v3"] = time_ms(rac_v3, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
             if args.sweep:
                 ms["act_quant_rac"] = time_ms(lambda: quantize_activation_rac(x, comp), device="cuda",
                                               iters=args.iters, mode="graph", reps=COPIES)
-                for cfg, amax_k in fused_sweep_configs(m):
-                    key = ("default" if cfg is None else ",".join(str(int(v)) for v in cfg)) + f" amax{amax_k or ''}"
-                    try:
-                        ms[f"fused_rac {key}"] = time_ms(lambda: fused(True, cfg, amax_k), device="cuda",
-                                                         iters=args.iters, mode="graph", reps=COPIES)
-                    except Exception as exc:  # a config that does not compile here: report it
-                        ms[f"fused_rac {key}"] = f"ERR {type(exc).__name__}: {str(exc)[:60]}"
                 qa = quantize_activation_rac(x, comp)
                 for cfg in sweep_configs(m):
                     def gemm(w4a16, cfg=cfg):
@@ -194,33 +110,23 @@ def main(argv=None) -> int:
                             ms[f"{name} {key}"] = f"ERR {type(exc).__name__}: {str(exc)[:60]}"
             rows.append(dict(n=n, k=k, m=m, ms=ms))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}; ms per call (CUDA graphs, weights from HBM); "
-          f"the op runs fused at M <= {FUSED_MAX_M}")
-    print("| M x N x K | BF16 (cuBLAS) | w4a16 | w4a4 two | w4a4 fused | RAC two | RAC fused | RAC op | RAC op vs BF16 "
-          "| fused RAC vs BF16 | same bits | RAC two v3 | RAC fused v3 | fused v3 vs BF16 | same bits v3 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}; ms per call (CUDA graphs, weights from HBM)")
+    print("| M x N x K | BF16 (cuBLAS) | w4a16 | w4a4 | w4a4_rac | RAC vs BF16 | w4a4_rac v3 | RAC v3 vs BF16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ms = r["ms"]
-        print(f"| {r['m']}x{r['n']}x{r['k']} | {ms['bf16']:.4f} | {ms['w4a16']:.4f} | {ms['two w4a4']:.4f} | "
-              f"{ms['fused w4a4']:.4f} | {ms['two rac']:.4f} | {ms['fused rac']:.4f} | {ms['w4a4_rac']:.4f} | "
-              f"{ms['bf16'] / ms['w4a4_rac']:.2f}x | {ms['bf16'] / ms['fused rac']:.2f}x | {ms['same']} | "
-              + (f"{ms['two rac v3']:.4f} | {ms['fused rac v3']:.4f} | {ms['bf16'] / ms['fused rac v3']:.2f}x | "
-                 f"{ms['same v3']} |" if "fused rac v3" in ms else "- | - | - | - |"))
+        v3 = (f"{ms['w4a4_rac v3']:.4f} | {ms['bf16'] / ms['w4a4_rac v3']:.2f}x |" if "w4a4_rac v3" in ms
+              else "- | - |")
+        print(f"| {r['m']}x{r['n']}x{r['k']} | {ms['bf16']:.4f} | {ms['w4a16']:.4f} | {ms['w4a4']:.4f} | "
+              f"{ms['w4a4_rac']:.4f} | {ms['bf16'] / ms['w4a4_rac']:.2f}x | " + v3)
     for r in rows:
-        parts = {key: v for key, v in r["ms"].items() if key.startswith(("gemm", "act", "fused_rac"))}
+        parts = {key: v for key, v in r["ms"].items() if key.startswith(("gemm", "act"))}
         if parts:
             best = {name: min((v, key) for key, v in parts.items() if key.startswith(name + " ") and isinstance(v, float))
-                    for name in ("gemm_w4a16", "gemm_rac", "fused_rac")}
-            v3 = [(v, key) for key, v in parts.items() if key.startswith("fused_rac_v3 ") and isinstance(v, float)]
-            if v3:
-                v, key = min(v3)
-                print(f"  {r['m']}x{r['n']}x{r['k']}: fused_rac_v3 best {v:.4f} ({key.split(' ', 1)[1]})")
+                    for name in ("gemm_w4a16", "gemm_rac")}
             print(f"  {r['m']}x{r['n']}x{r['k']}: act_quant_rac {parts['act_quant_rac']:.4f}; "
-                  + "; ".join(f"{name} default {parts[name + (' default amax' if name == 'fused_rac' else ' default')]:.4f}, "
-                              f"best {v:.4f} ({key.split(' ', 1)[1]})" for name, (v, key) in best.items()))
-    faster = [r["m"] for r in rows if r["ms"]["fused rac"] < r["ms"]["two rac"]]
-    print(f"fused RAC faster than two-launch at M in {sorted(set(faster))} (per shape: "
-          + ", ".join(f"{r['m']}x{r['n']}x{r['k']} {r['ms']['two rac'] / r['ms']['fused rac']:.2f}x" for r in rows) + ")")
+                  + "; ".join(f"{name} default {parts[name + ' default']:.4f}, best {v:.4f} ({key.split(' ', 1)[1]})"
+                              for name, (v, key) in best.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

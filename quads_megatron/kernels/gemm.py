@@ -415,9 +415,10 @@ def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) ->
 def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
     """Grouped tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps):
     swap-AB (the decoded weight as wgmma's register operand) at decode sizes, (64 | 128) x 128
-    tiles at prefill. `tools/bench_moe_layer.py --sweep` measures the alternatives."""
+    tiles at prefill. `tools/bench_moe_layer.py --sweep` measures the alternatives; at <= 16 rows
+    the 128-row weight tile on 4 warps was the fastest (docs/benchmarks.md section 5)."""
     if rows_per_expert <= 16:
-        return GemmConfig(16, 64, 128, 4, 4, 8, True)
+        return GemmConfig(16, 128 if n % 128 == 0 else 64, 128, 4, 4, 8, True)
     if rows_per_expert <= 64:
         return GemmConfig(64, 128, 128, 8, 3)
     return GemmConfig(128, 128, 128, 8, 3)

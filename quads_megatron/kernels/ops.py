@@ -12,9 +12,9 @@ Dispatch, once per call, by `quads_megatron.nvfp4.resolve_backend(x.device, back
 the torch reference (`reference.py`, the same function); "triton" runs the Triton kernels (on
 CPU tensors in Triton's interpreter, TRITON_INTERPRET=1, as in the kernel tests); on SM100+
 with FlashInfer installed the dense W4A4 linear takes the native FP4 path (`blackwell.py`).
-The dense W4A4 linear runs in one launch up to `linear_fused.FUSED_MAX_M` rows (the activation
-quantized inside the GEMM, split-K summed in the kernel; bit-identical to the two-launch form),
-above it as the act_quant pre-pass + GEMM. `check_inputs=False` skips the value checks that sync the host (comp_index range and order,
+The dense W4A4 linear runs as the act_quant pre-pass + GEMM (a one-launch form with the activation
+quantized inside the GEMM measured slower at every M on the H200: docs/benchmarks.md section 6).
+`check_inputs=False` skips the value checks that sync the host (comp_index range and order,
 expert ids); shape and dtype checks always run, and value checks are skipped automatically
 while a CUDA graph is being captured.
 """
@@ -35,7 +35,6 @@ from .act_quant import quantize_activation_rac
 from .combine import topk_sum
 from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order
 from .gemm import default_config, fragment_config, launch_gemm
-from .linear_fused import FUSED_MAX_M, w4a4_linear_fused
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
@@ -124,17 +123,11 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         if comp is not None:
             cols = (comp_weight if comp_weight is not None
                     else rac_weight_columns(weight, weight_scale, comp))
-        if m <= FUSED_MAX_M:  # decode sizes: one launch, the activation quantized in the GEMM
-            w4a4_linear_fused(x2d, weight, weight_scale, weight_scale_2, out,
-                              comp_index=None if comp is None else comp.to(torch.int32).contiguous(),
-                              comp_weight=cols, input_scale=input_scale, bias=b,
-                              fragment_layout=frag)
-        else:
-            qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
-            r = None if comp is None else (qa.r_values, qa.r_s_dec)
-            launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,
-                        comp_weight=None if cols is None else cols.unsqueeze(0), bias=b,
-                        fragment_layout=frag)
+        qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
+        r = None if comp is None else (qa.r_values, qa.r_s_dec)
+        launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,
+                    comp_weight=None if cols is None else cols.unsqueeze(0), bias=b,
+                    fragment_layout=frag)
     return out.view(*x.shape[:-1], n)
 
 
