@@ -132,6 +132,14 @@ def _torch_scales(x, amax, nonfinite):
     return s_enc, s_dec, poisoned
 
 
+def _packed_into(out: Optional[tuple], data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor) -> tuple:
+    """The torch path's (data, scale, S_dec), copied into ``out``'s buffers when given (their views returned)."""
+    if out is None:
+        return data, scale, s_dec
+    data_out, scale_out, s_out = out
+    return data_out.copy_(data), scale_out.copy_(scale), s_out.copy_(s_dec)
+
+
 def quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=None,
                      out: Optional[tuple] = None, backend: Optional[str] = None,
                      name: str = "weights") -> NVFP4Tensor:
@@ -151,15 +159,7 @@ def quantize_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=N
         x = _stacked(mats, groups)
         s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
         d, sc = quantize_reference(x, s_enc, s_dec3)
-        d, sc = d.view(m, r, k // 2), sc.view(m, r, k // BLOCK_SIZE)
-        if out is None:
-            data, scale = d, sc
-        else:
-            data, scale, s_out = out
-            data.copy_(d)
-            scale.copy_(sc)
-            s_out.copy_(s_dec)
-            s_dec = s_out
+        data, scale, s_dec = _packed_into(out, d.view(m, r, k // 2), sc.view(m, r, k // BLOCK_SIZE), s_dec)
     per_matrix = s_dec.repeat_interleave(scale_group).view(m, 1, 1)
     return NVFP4Tensor._trusted(data, scale, per_matrix, torch.Size((m, r, k)), (1, BLOCK_SIZE))
 
@@ -200,14 +200,7 @@ def refit_grouped(mats: Mats, *, scale_group: int = 1, amax=None, nonfinite=None
         s_enc, s_dec3, s_dec = _torch_scales(x, amax, nonfinite)
         d, sc = quantize_reference(x, s_enc, s_dec3)
         fake = dequantize_reference(d, sc, s_dec.view(-1, 1, 1), dtype).view(m, r, k)
-        d, sc = d.view(m, r, k // 2), sc.view(m, r, k // BLOCK_SIZE)
         fake = fake if out_fake is None else out_fake.copy_(fake)
-        if out is None:
-            data, scale = d, sc
-        else:
-            data, scale, s_out = out
-            data.copy_(d)
-            scale.copy_(sc)
-            s_dec = s_out.copy_(s_dec)
+        data, scale, s_dec = _packed_into(out, d.view(m, r, k // 2), sc.view(m, r, k // BLOCK_SIZE), s_dec)
     per_matrix = s_dec.repeat_interleave(scale_group).view(m, 1, 1)
     return fake, NVFP4Tensor._trusted(data, scale, per_matrix, torch.Size((m, r, k)), (1, BLOCK_SIZE))

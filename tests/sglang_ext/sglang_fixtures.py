@@ -151,3 +151,21 @@ def export_rollout_checkpoints(root: Path) -> Dict[str, Path]:
         del cfg["quantization_config"]
         cfg_path.write_text(json.dumps(cfg))
     return out
+
+
+def load_experts(layer, ckpt: Dict[str, torch.Tensor], num_experts: int) -> None:
+    """Route HF-named expert tensors (`experts.{e}.{gate,up,down}_proj.*`) into a FusedMoE as the expert
+    branch of SGLang's Qwen3MoeForCausalLM.load_weights does."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+
+    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts)
+    params = dict(layer.named_parameters(prefix="experts"))
+    for name, t in ckpt.items():
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in name:
+                continue
+            name = name.replace(weight_name, param_name)
+            if name in params:
+                p = params[name]
+                p.weight_loader(p, t, name, shard_id=shard_id, expert_id=expert_id)
+            break

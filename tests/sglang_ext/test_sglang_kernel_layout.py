@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_fixtures import moe_checkpoint
+from sglang_fixtures import load_experts, moe_checkpoint
 from quads_megatron.kernels import w4a4_fused_moe
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, to_kernel_layout
@@ -38,20 +38,7 @@ def _build(cfg):
 
 
 def _load(layer, ckpt: dict) -> None:
-    """The expert branch of SGLang's Qwen3MoeForCausalLM.load_weights (as test_sglang_moe)."""
-    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-
-    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", E)
-    params = dict(layer.named_parameters(prefix="experts"))
-    for name, t in ckpt.items():
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if weight_name not in name:
-                continue
-            name = name.replace(weight_name, param_name)
-            if name in params:
-                p = params[name]
-                p.weight_loader(p, t, name, shard_id=shard_id, expert_id=expert_id)
-            break
+    load_experts(layer, ckpt, E)
 
 
 def _stack(ckpt, key, projs):

@@ -17,18 +17,21 @@ def _config():
                           num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
 
 
-def _source_weights(seed: int = 0):
-    """HF-named weights of a seeded random model, experts split per expert as the trainer's sync sends them."""
+def _source_weights(seed: int = 0, config=None):
+    """HF-named weights of a seeded random model (default `_config()`), experts split per expert as the
+    trainer's sync sends them."""
     from transformers import AutoModelForCausalLM
 
+    config = config or _config()
+    f = config.moe_intermediate_size
     torch.manual_seed(seed)
-    src = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
+    src = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     named = []
     for name, t in src.state_dict().items():
         if name.endswith("mlp.experts.gate_up_proj"):
             pre = name[: -len(".gate_up_proj")]
             for e in range(t.shape[0]):
-                named += [(f"{pre}.{e}.gate_proj.weight", t[e, :32]), (f"{pre}.{e}.up_proj.weight", t[e, 32:])]
+                named += [(f"{pre}.{e}.gate_proj.weight", t[e, :f]), (f"{pre}.{e}.up_proj.weight", t[e, f:])]
         elif name.endswith("mlp.experts.down_proj"):
             pre = name[: -len(".down_proj")]
             named += [(f"{pre}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]

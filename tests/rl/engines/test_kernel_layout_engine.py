@@ -17,6 +17,8 @@ from quads_megatron.recipe import QuadsRecipe
 from quads_megatron.rl.engines.local import LocalEngine
 from quads_megatron.rl.engines.base import SamplingParams
 
+from tests.rl.engines.test_decode import _source_weights as decode_source_weights
+
 H = F = 128
 E = 4
 PROMPTS = [[3, 14, 15, 9, 26], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8]]
@@ -32,23 +34,8 @@ def _config():
 
 
 def _source_weights(seed: int = 0):
-    """HF-named weights of a seeded random model, experts per expert (the trainer's per-weight sync)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    src = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
-    named = []
-    for name, t in src.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            pre = name[: -len(".gate_up_proj")]
-            for e in range(t.shape[0]):
-                named += [(f"{pre}.{e}.gate_proj.weight", t[e, :F]), (f"{pre}.{e}.up_proj.weight", t[e, F:])]
-        elif name.endswith("mlp.experts.down_proj"):
-            pre = name[: -len(".down_proj")]
-            named += [(f"{pre}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
-        else:
-            named.append((name, t))
-    return named
+    """The trainer's per-weight sync of a seeded random model of `_config()` (test_decode's stream)."""
+    return decode_source_weights(seed, _config())
 
 
 def _layer_stream(named):
