@@ -14,6 +14,9 @@ SequentialMLP holds them; layers built one at a time so the whole model need not
   (b2) / (c2):        (b) / (c) on the layer stream (``plan.ExpertsLayer``: the layer's experts as one
                       item, ``iter_hf_weights(stacked_experts=True)``): two grouped launches per layer and
                       no per-expert Python; (b3) adds the per-expert ModelOpt views an SGLang sync sends.
+  conversion table:   the v3 kernel-layout conversion of one layer's codes alone (in place, both ways; the
+                      one-pass Triton kernel on CUDA) next to its torch definition and a device copy of
+                      the same bytes.
 Floors are bytes moved at the device-copy bandwidth measured in the same run: (a) reads and writes
 BF16; (b)/(c) read BF16 and write 0.5625 B/parameter. A wire-size column compares sending BF16 to
 an SGLang server (it quantizes) against sending NVFP4. CUDA-event timings, median of --iters.
@@ -54,6 +57,48 @@ def _named(layer, fc1, fc2, F):
         yield f"{pre}.{e}.gate_proj.weight", w1[:F]
         yield f"{pre}.{e}.up_proj.weight", w1[F:]
         yield f"{pre}.{e}.down_proj.weight", w2
+
+
+def _conversion_table(engine, run, floor, iters, out):
+    """The v3 kernel-layout conversion of one layer's codes alone, in place (what `settle_load` runs
+    on CUDA: one Triton pass), the layout's torch definition, and a device copy of the same bytes."""
+    from quads_megatron.kernels.fragment_layout import (_from_fragment_order_torch, _to_fragment_order_torch,
+                                                        from_fragment_order, to_fragment_order)
+    from quads_megatron.plan.kernel_layout import kernel_layout_fits
+
+    codes = [getattr(engine, n).clone() for n in ("w13", "w2")]
+    codes = [c for c in codes if kernel_layout_fits(c.shape[-2], 2 * c.shape[-1])]
+    if not codes:
+        return
+    spare = [torch.empty_like(c) for c in codes]
+    nbytes = sum(c.numel() for c in codes)
+    # correctness first: the in-place pass equals the definition, and its inverse restores the codes
+    for c in codes:
+        want, keep = _to_fragment_order_torch(c), c.clone()
+        assert torch.equal(to_fragment_order(c, out=c), want), "kernel-layout conversion != its definition"
+        assert torch.equal(from_fragment_order(c, out=c), keep), "inverse conversion did not restore the codes"
+    rows = [
+        ("copy", "device copy of the same bytes (baseline)", lambda: [s.copy_(c) for s, c in zip(spare, codes)]),
+        ("to_kernel_layout", "to_fragment_order in place (Triton on CUDA)",
+         lambda: [to_fragment_order(c, out=c) for c in codes]),
+        ("from_kernel_layout", "from_fragment_order in place (Triton on CUDA)",
+         lambda: [from_fragment_order(c, out=c) for c in codes]),
+        ("to_kernel_layout_torch", "the layout's torch definition + copy into place (before)",
+         lambda: [c.copy_(_to_fragment_order_torch(c)) for c in codes]),
+        ("from_kernel_layout_torch", "its inverse in torch + copy into place",
+         lambda: [c.copy_(_from_fragment_order_torch(c)) for c in codes]),
+    ]
+    fl = floor(2 * nbytes)
+    print(f"\nKernel-layout conversion of one layer's codes ({nbytes / 1e6:.1f} MB read and written), "
+          f"floor {fl:.3f} ms at copy bandwidth")
+    print("| what | ms | x copy | x floor |")
+    print("|---|---|---|---|")
+    copy_ms = None
+    for key, what, fn in rows:
+        ms = run(fn, iters, 2)
+        copy_ms = copy_ms or ms
+        print(f"| {what} | {ms:.3f} | {ms / copy_ms:.2f} | {ms / fl:.2f} |")
+        out[f"conversion_{key}"] = {"layer_ms": ms, "bytes": nbytes, "x_copy": ms / copy_ms, "x_floor": ms / fl}
 
 
 def main():
@@ -232,6 +277,8 @@ def main():
     fl = floor(params * (B_IN + B_NV))
     print(f"| before the grouped kernels: per-expert quantize + copy into the engine | {2 * B_IN + B_NV:.4g} | "
           f"{B_IN + B_NV:.4g} | {old_ms:.3f} | {old_ms / fl:.2f} | {old_ms * L:.1f} (x{L}) | - |")
+    _conversion_table(engine, run, floor, a.iters, out)
+    save()
     wire_bf16, wire_fp4 = params * 2 * L, params * 0.5625 * L + 4 * 2 * E * L
     print(f"\nSGLang weight sync payload per step (experts): BF16 {wire_bf16 / 1e9:.2f} GB (server quantizes, "
           f"{out['build_layer']['step_ms']:.1f} ms of grouped kernels on the server) vs NVFP4 "

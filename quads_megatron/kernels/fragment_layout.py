@@ -13,12 +13,17 @@ with row 16q + 8h + g and, for pair j (0-3) of word w and half b (0-1), column
 f16x2 of the scales (s[2w], s[2w + 1], read straight from ModelOpt's scale layout) scales the
 whole word. Atoms are stored [N/64][K/128], so a 64-row tile streams contiguously along K.
 The block scales keep ModelOpt's layout; only the codes move. `to_fragment_order` and
-`from_fragment_order` are exact inverses on every byte (pure torch, any device).
+`from_fragment_order` are exact inverses on every byte: one Triton pass on CUDA tensors
+(`fragment_convert`, in place when `out` is the input), the plain-torch definition below elsewhere.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .fragment_convert import convert_fragment_order
 
 ROWS = 64   # rows of one atom (a wgmma m64 tile of one warpgroup)
 COLS = 128  # columns of one atom (one K step of the kernel)
@@ -53,10 +58,44 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
+def _check_out(out: torch.Tensor, like: torch.Tensor, name: str) -> None:
+    if out.shape != like.shape or out.dtype != torch.uint8 or out.device != like.device:
+        raise ValueError(f"{name}: out must be uint8 {tuple(like.shape)} on {like.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def _convert(x: torch.Tensor, out: Optional[torch.Tensor], inverse: bool, torch_form) -> torch.Tensor:
+    """CUDA: the one-pass Triton kernel, straight into `out` (or a new tensor) when `out` is
+    contiguous; otherwise the torch definition, copied into `out` if one is given."""
+    if x.is_cuda and (out is None or out.is_contiguous()):
+        return convert_fragment_order(x, torch.empty_like(x, memory_format=torch.contiguous_format)
+                                      if out is None else out, inverse)
+    y = torch_form(x)
+    return y if out is None else out.copy_(y)
+
+
+def to_fragment_order(codes: torch.Tensor, out: Optional[torch.Tensor] = None,
+                      name: str = "weight") -> torch.Tensor:
     """ModelOpt packed codes [..., N, K//2] uint8 -> the same bytes in the kernel's fragment order
-    (same shape and dtype, a new contiguous tensor)."""
-    n, k = check_fragment_shape(codes)
+    (same shape and dtype: a new contiguous tensor, or written into `out`, which may be `codes`)."""
+    check_fragment_shape(codes, name)
+    if out is not None:
+        _check_out(out, codes, name)
+    return _convert(codes, out, False, _to_fragment_order_torch)
+
+
+def from_fragment_order(frag: torch.Tensor, out: Optional[torch.Tensor] = None,
+                        name: str = "fragment-order weight") -> torch.Tensor:
+    """The exact inverse of `to_fragment_order`: fragment-order bytes -> ModelOpt packed codes."""
+    check_fragment_shape(frag, name)
+    if out is not None:
+        _check_out(out, frag, name)
+    return _convert(frag, out, True, _from_fragment_order_torch)
+
+
+def _to_fragment_order_torch(codes: torch.Tensor) -> torch.Tensor:
+    """The layout's definition in plain torch (any device; several passes over the bytes)."""
+    n, k = codes.shape[-2], codes.shape[-1] * 2
     lead = codes.shape[:-2]
     c = _codes(codes.contiguous())
     c = c.reshape(*lead, n // ROWS, *_GEOMETRY, k // COLS, *_COLUMNS)
@@ -69,9 +108,9 @@ def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
     return byte.reshape(codes.shape)
 
 
-def from_fragment_order(frag: torch.Tensor) -> torch.Tensor:
-    """The exact inverse of `to_fragment_order`: fragment-order bytes -> ModelOpt packed codes."""
-    n, k = check_fragment_shape(frag, "fragment-order weight")
+def _from_fragment_order_torch(frag: torch.Tensor) -> torch.Tensor:
+    """`_to_fragment_order_torch`'s inverse in plain torch."""
+    n, k = frag.shape[-2], frag.shape[-1] * 2
     lead = frag.shape[:-2]
     d = len(lead)
     byte = frag.contiguous().reshape(

@@ -20,8 +20,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from quads_megatron.kernels.fragment_layout import (COLS, ROWS, check_fragment_shape,
-                                                    from_fragment_order, to_fragment_order)
+from quads_megatron.kernels.fragment_layout import (COLS, ROWS, from_fragment_order, to_fragment_order)
 
 KERNEL_WEIGHT_LAYOUT = "fragment"  # the `weight_layout=` the kernels take for these bytes
 
@@ -35,20 +34,12 @@ def to_kernel_layout(codes: torch.Tensor, out: Optional[torch.Tensor] = None,
                      name: str = "weight") -> torch.Tensor:
     """ModelOpt packed codes [..., N, K/2] uint8 -> the kernel's byte order (a new tensor, or
     written into `out`, which may be `codes` itself: an in-place reload)."""
-    check_fragment_shape(codes, name)
-    frag = to_fragment_order(codes)
-    if out is None:
-        return frag
-    if out.shape != codes.shape or out.dtype != torch.uint8:
-        raise ValueError(f"{name}: out must be uint8 {tuple(codes.shape)}, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    return out.copy_(frag)
+    return to_fragment_order(codes, out=out, name=name)
 
 
 def from_kernel_layout(frag: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """The exact inverse of `to_kernel_layout`: the kernel's bytes -> ModelOpt packed codes."""
-    check_fragment_shape(frag, name)
-    return from_fragment_order(frag)
+    return from_fragment_order(frag, name=name)
 
 
 def _runs(rows: list) -> list:

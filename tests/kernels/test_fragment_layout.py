@@ -44,11 +44,12 @@ def test_round_trip_is_bit_exact():
         assert not torch.equal(f, w)
 
 
-def test_hand_placed_codes():
-    """Codes put at (row, column) land at the byte and bits derived by hand from the layout:
-    word h*512 + q*128 + g*16 + t*4 + w of atom (row // 64, col // 128), byte 2j + b for pairs
-    j < 2 (sign -> bit 7, e e m -> bits 4..2) and 2(j - 2) + b for j >= 2 (sign -> bit 5,
-    e1 -> bit 6, e0 m -> bits 1..0), with row = 16q + 8h + g, col = 16(2w + b) + 4t + j."""
+def hand_placed_case():
+    """(ModelOpt bytes, fragment-order bytes) [128, 128] of codes put at (row, column) and the byte
+    and bits derived by hand from the layout: word h*512 + q*128 + g*16 + t*4 + w of atom
+    (row // 64, col // 128), byte 2j + b for pairs j < 2 (sign -> bit 7, e e m -> bits 4..2) and
+    2(j - 2) + b for j >= 2 (sign -> bit 5, e1 -> bit 6, e0 m -> bits 1..0), with
+    row = 16q + 8h + g, col = 16(2w + b) + 4t + j."""
     n, k = 128, 256
     codes = torch.zeros(n, k, dtype=torch.int32)
     frag = torch.zeros(n * k // 2, dtype=torch.uint8)
@@ -61,9 +62,13 @@ def test_hand_placed_codes():
     # the same as the first in atom (1, 1), stored third ([N/64][K/128]): row 73, col 165
     codes[73, 165] = 0b1111
     frag[3 * 4096 + 533 * 4 + 2] = 0x9C
-    frag = frag.reshape(n, k // 2)
-    assert torch.equal(to_fragment_order(_pack(codes)), frag)
-    assert torch.equal(from_fragment_order(frag), _pack(codes))
+    return _pack(codes), frag.reshape(n, k // 2)
+
+
+def test_hand_placed_codes():
+    codes, frag = hand_placed_case()
+    assert torch.equal(to_fragment_order(codes), frag)
+    assert torch.equal(from_fragment_order(frag), codes)
 
 
 def test_fragment_columns_is_the_layout_k_order():

@@ -27,3 +27,6 @@ def test_bench_refit_runs_tiny_on_cpu(monkeypatch, capsys, tmp_path):
     # wire size: BF16 is 2 B/parameter, NVFP4 0.5625 B + one fp32 scale per gate/up and down of each expert
     params = 3 * 8 * 128 * 64 * 2
     assert rows["wire_bytes"] == {"bf16": params * 2, "nvfp4": params * 0.5625 + 4 * 2 * 8 * 2}
+    # the kernel-layout conversion alone (tiny: only w13 fits the layout), next to a copy of the same bytes
+    assert "Kernel-layout conversion of one layer's codes" in text
+    assert rows["conversion_to_kernel_layout"]["bytes"] == 8 * 128 * 64 and rows["conversion_copy"]["x_copy"] == 1

@@ -1,0 +1,105 @@
+"""`fragment_layout`'s byte permutation in one Triton pass: each input byte read once, each output word written once.
+
+One program converts the 64-row strip of a contiguous [..., N, K//2] uint8 tensor (all its K/128
+atoms, or a block of them), as 32-bit words. For row r = 16q + 8h + g of the strip and 16-byte
+group w of atom S, the words X (bytes 16w + 4s .. of the row) and Y (bytes 16w + 8 + 4s ..) hold,
+in their 16-bit halves e, the codes of columns 32w + 4t + (0..3) and 32w + 16 + 4t + (0..3) with
+t = 2s + e: exactly the codes of fragment word h*512 + q*128 + g*16 + 4t + w of atom S, which is
+one AND/shift/OR expression of those two halves (`_to_fragment`; `_from_fragment` undoes it).
+An atom's fragment words lie in its strip (atoms are stored [N/64][K/128]), so a program that
+reads the whole strip, waits for its threads (a CTA barrier), then writes, may write in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ATOMS = 16  # atoms (128 columns each) per program: 16384 words, K <= 2048 converts in place directly
+
+
+@triton.jit
+def _to_fragment(u, v):
+    """Halves u (b = 0) and v (b = 1), codes j0..j3 at bits 4j: byte 2jj + b gets code A = j(jj) of
+    u or v at bits {7, 4..2} and code B = j(jj + 2) at bits {5, 6, 1..0}."""
+    a = (u & 0xF) | ((v & 0xF) << 8) | ((u & 0xF0) << 12) | ((v & 0xF0) << 20)
+    b = ((u >> 8) & 0xF) | (v & 0xF00) | ((u & 0xF000) << 4) | ((v & 0xF000) << 12)
+    return ((((a & 0x08080808) | (b & 0x04040404)) << 4)
+            | (((a & 0x07070707) | (b & 0x08080808)) << 2) | (b & 0x03030303))
+
+
+@triton.jit
+def _from_fragment(word):
+    """The inverse of `_to_fragment`: a fragment word -> its halves (u, v)."""
+    a = ((word >> 4) & 0x08080808) | ((word >> 2) & 0x07070707)
+    b = ((word >> 2) & 0x08080808) | ((word >> 4) & 0x04040404) | (word & 0x03030303)
+    u = (a & 0xF) | ((a >> 12) & 0xF0) | ((b & 0xF) << 8) | ((b >> 4) & 0xF000)
+    v = ((a >> 8) & 0xF) | ((a >> 20) & 0xF0) | (b & 0xF00) | ((b >> 12) & 0xF000)
+    return u, v
+
+
+@triton.jit
+def _fragment_convert_kernel(src_ptr, dst_ptr, n_atoms, row_words, INVERSE: tl.constexpr,
+                             BLOCK_ATOMS: tl.constexpr, SYNC: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * 64 * row_words  # the strip's first word
+    a0 = tl.program_id(1) * BLOCK_ATOMS
+    r = tl.arange(0, 64)[:, None, None]                    # row of the strip
+    m = tl.arange(0, BLOCK_ATOMS * 4)[None, :, None]       # 4 * atom + w (16-byte group)
+    s = tl.arange(0, 2)[None, None, :]                     # word of the group's half
+    atom = a0 + m // 4
+    mask = (atom < n_atoms) & (r < 64) & (s < 2)
+    row_off = base + r * row_words + a0 * 16 + m * 4 + s   # X; Y is 2 words on
+    frag_off = (base + atom * 1024 + ((r // 8) % 2) * 512 + (r // 16) * 128 + (r % 8) * 16
+                + s * 8 + m % 4)                          # fragment word of t = 2s; t = 2s + 1 is 4 on
+    if INVERSE:
+        lo = tl.load(src_ptr + frag_off, mask=mask).to(tl.uint32, bitcast=True)
+        hi = tl.load(src_ptr + frag_off + 4, mask=mask).to(tl.uint32, bitcast=True)
+        u0, v0 = _from_fragment(lo)
+        u1, v1 = _from_fragment(hi)
+        x = (u0 | (u1 << 16)).to(tl.int32, bitcast=True)
+        y = (v0 | (v1 << 16)).to(tl.int32, bitcast=True)
+        if SYNC:
+            tl.debug_barrier()  # every thread has read the strip before any writes it
+        tl.store(dst_ptr + row_off, x, mask=mask)
+        tl.store(dst_ptr + row_off + 2, y, mask=mask)
+    else:
+        x = tl.load(src_ptr + row_off, mask=mask).to(tl.uint32, bitcast=True)
+        y = tl.load(src_ptr + row_off + 2, mask=mask).to(tl.uint32, bitcast=True)
+        lo = _to_fragment(x & 0xFFFF, y & 0xFFFF).to(tl.int32, bitcast=True)
+        hi = _to_fragment(x >> 16, y >> 16).to(tl.int32, bitcast=True)
+        if SYNC:
+            tl.debug_barrier()
+        tl.store(dst_ptr + frag_off, lo, mask=mask)
+        tl.store(dst_ptr + frag_off + 4, hi, mask=mask)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the bytes of a and b (both contiguous) share memory."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
+
+
+def convert_fragment_order(src: torch.Tensor, out: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Write `fragment_layout.to_fragment_order(src)` (or, inverse=True, `from_fragment_order(src)`)
+    into `out`, in one launch. Both uint8 [..., N, K//2] of one shape, N % 64 == 0, K % 128 == 0
+    (the caller checks); `out` contiguous and either disjoint from `src` or `src` itself."""
+    k = src.shape[-1] * 2
+    if not out.is_contiguous() or out.shape != src.shape:
+        raise ValueError(f"out: expected a contiguous uint8 {tuple(src.shape)}, got {tuple(out.shape)} "
+                         f"stride {out.stride()}")
+    if src.numel() == 0:
+        return out
+    n_atoms, row_words = k // 128, k // 8
+    block = min(MAX_ATOMS, triton.next_power_of_2(n_atoms))
+    src = src.contiguous()  # a strided source is read through a contiguous copy
+    in_place = _overlap(src, out)
+    if in_place and (src.data_ptr() != out.data_ptr() or block < n_atoms):
+        src = src.clone()  # a program can hold only whole strips of at most MAX_ATOMS atoms
+        in_place = False
+    strips = src.numel() // (64 * k // 2)
+    grid = (strips, triton.cdiv(n_atoms, block))
+    _fragment_convert_kernel[grid](src.view(torch.int32), out.view(torch.int32), n_atoms, row_words,
+                                   INVERSE=inverse, BLOCK_ATOMS=block, SYNC=in_place,
+                                   num_warps=max(4, block))
+    return out
