@@ -73,7 +73,7 @@ for s in "$@"; do
       stage moe_layer
       timeout 170 $PY tools/bench_moe_layer.py --iters 30 --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
       stage refit
-      timeout 70 $PY tools/bench_refit.py --num-layers 8 --json "$OUT/refit.json" 2>&1 | grep -v -i warn | tail -20
+      timeout 70 $PY tools/bench_refit.py --num-layers 8 --json "$OUT/refit.json" 2>&1 | grep -v -i warn | tail -34
       stage linear
       timeout 60 $PY tools/bench_w4a4_linear.py --json "$OUT/linear.json" 2>&1 | grep -v -i warn | tail -16
       stage moe_sweep
