@@ -42,41 +42,35 @@ def _from_fragment(word):
 @triton.jit
 def _fragment_convert_kernel(src_ptr, dst_ptr, n_atoms, row_words, INVERSE: tl.constexpr,
                              BLOCK_ATOMS: tl.constexpr, SYNC: tl.constexpr):
+    A: tl.constexpr = BLOCK_ATOMS
     base = tl.program_id(0).to(tl.int64) * 64 * row_words  # the strip's first word
-    a0 = tl.program_id(1) * BLOCK_ATOMS
-    # ModelOpt side: the strip's rows as contiguous words [64, 16 * atoms], seen as [64, 4 * atoms
-    # (atom, w), 2 (X or Y), 2 (s)]
-    r2 = tl.arange(0, 64)[:, None]
-    c2 = tl.arange(0, BLOCK_ATOMS * 16)[None, :]
-    row_off = base + r2 * row_words + a0 * 16 + c2
-    row_mask = (a0 + c2 // 16 < n_atoms) & (r2 < 64)
-    # fragment side: for (r, m = 4 * atom + w, s), the word of t = 2s (t = 2s + 1 is 4 words on)
-    r = tl.arange(0, 64)[:, None, None]
-    m = tl.arange(0, BLOCK_ATOMS * 4)[None, :, None]
-    s = tl.arange(0, 2)[None, None, :]
-    frag_off = (base + (a0 + m // 4) * 1024 + ((r // 8) % 2) * 512 + (r // 16) * 128 + (r % 8) * 16
-                + s * 8 + m % 4)
-    frag_mask = (a0 + m // 4 < n_atoms) & (r < 64) & (s < 2)
+    a0 = tl.program_id(1) * A
+    r = tl.arange(0, 64)[:, None]
+    c = tl.arange(0, A * 16)[None, :]
+    mask = (a0 + c // 16 < n_atoms) & (r < 64)
+    # ModelOpt side: row r's words 16 * atom + (4w + 2 half + s): [64, A, 4 (w), 2 (X, Y), 2 (s)]
+    row_off = base + r * row_words + a0 * 16 + c
+    # fragment side: atom's words h*512 + q*128 + g*16 + (4t + w), t = 2s + e: [64, A, 2, 2, 4]
+    frag_off = (base + (a0 + c // 16) * 1024 + ((r // 8) % 2) * 512 + (r // 16) * 128
+                + (r % 8) * 16 + c % 16)
     if INVERSE:
-        lo = tl.load(src_ptr + frag_off, mask=frag_mask).to(tl.uint32, bitcast=True)
-        hi = tl.load(src_ptr + frag_off + 4, mask=frag_mask).to(tl.uint32, bitcast=True)
-        u0, v0 = _from_fragment(lo)
+        words = tl.load(src_ptr + frag_off, mask=mask).to(tl.uint32, bitcast=True)
+        lo, hi = tl.split(tl.permute(tl.reshape(words, (64, A, 2, 2, 4)), (0, 1, 2, 4, 3)))
+        u0, v0 = _from_fragment(lo)                        # [64, A, 2 (s), 4 (w)]
         u1, v1 = _from_fragment(hi)
-        x = u0 | (u1 << 16)
-        y = v0 | (v1 << 16)
-        words = tl.reshape(tl.permute(tl.join(x, y), (0, 1, 3, 2)), (64, BLOCK_ATOMS * 16))
-        if SYNC:
-            tl.debug_barrier()  # every thread has read the strip before any writes it
-        tl.store(dst_ptr + row_off, words.to(tl.int32, bitcast=True), mask=row_mask)
+        xy = tl.join(u0 | (u1 << 16), v0 | (v1 << 16))     # [64, A, s, w, X/Y]
+        out = tl.reshape(tl.permute(xy, (0, 1, 3, 4, 2)), (64, A * 16))
+        dst_off = row_off
     else:
-        words = tl.load(src_ptr + row_off, mask=row_mask).to(tl.uint32, bitcast=True)
-        x, y = tl.split(tl.permute(tl.reshape(words, (64, BLOCK_ATOMS * 4, 2, 2)), (0, 1, 3, 2)))
-        lo = _to_fragment(x & 0xFFFF, y & 0xFFFF).to(tl.int32, bitcast=True)
-        hi = _to_fragment(x >> 16, y >> 16).to(tl.int32, bitcast=True)
-        if SYNC:
-            tl.debug_barrier()
-        tl.store(dst_ptr + frag_off, lo, mask=frag_mask)
-        tl.store(dst_ptr + frag_off + 4, hi, mask=frag_mask)
+        words = tl.load(src_ptr + row_off, mask=mask).to(tl.uint32, bitcast=True)
+        x, y = tl.split(tl.permute(tl.reshape(words, (64, A, 4, 2, 2)), (0, 1, 4, 2, 3)))
+        lo = _to_fragment(x & 0xFFFF, y & 0xFFFF)          # [64, A, 2 (s), 4 (w)]
+        hi = _to_fragment(x >> 16, y >> 16)
+        out = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 2, 4, 3)), (64, A * 16))
+        dst_off = frag_off
+    if SYNC:
+        tl.debug_barrier()  # every thread has read the strip before any writes it
+    tl.store(dst_ptr + dst_off, out.to(tl.int32, bitcast=True), mask=mask)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -70,7 +70,8 @@ def test_out_and_in_place_on_cpu_use_the_definition():
 SHAPES = [(64, 64),            # one atom
           (3, 128, 128),       # leading expert dim, 2 x 2 atoms per expert
           (2, 192, 384),       # 6 atoms per strip (K = 768, the FFN of Qwen3-30B-A3B): masked block
-          (1, 64, 64 * (MAX_ATOMS + 3))]  # more atoms than one program holds
+          (1, 64, 64 * MAX_ATOMS),          # the most atoms converted in place directly (K = 2048)
+          (1, 64, 64 * (MAX_ATOMS + 3))]    # more atoms than one program holds: through a copy
 
 
 @cpu_kernels
