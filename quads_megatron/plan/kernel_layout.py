@@ -57,8 +57,17 @@ def rows_to_kernel_layout(codes: torch.Tensor, written: Mapping[int, Iterable[in
                           name: str = "weight") -> None:
     """A partial load's step: convert in place the rows a load wrote, ``written`` = {expert: row indices}
     of ModelOpt codes [E, N, K/2], each row once however often it was written (runs of whole 64-row
-    tiles: the layout is tile-local, the other rows keep their kernel-layout bytes)."""
-    for e, rows in sorted(written.items()):
-        for r0, r1 in _runs(sorted(set(rows))):
-            part = codes[e, r0:r1]
-            to_kernel_layout(part, out=part, name=f"{name}[{e}, {r0}:{r1}]")
+    tiles: the layout is tile-local, the other rows keep their kernel-layout bytes). Runs that continue
+    into the next expert's rows convert together (one launch on CUDA when whole experts were written)."""
+    n = codes.shape[1]
+    rows = sorted({e * n + r for e, rs in written.items() for r in rs})
+    flat = codes.view(-1, *codes.shape[2:]) if codes.is_contiguous() else None
+    for r0, r1 in _runs(rows):
+        if flat is not None and n % ROWS == 0 and r0 % ROWS == 0 and r1 % ROWS == 0:
+            part = flat[r0:r1]  # whole tiles, possibly of several experts: one conversion
+            to_kernel_layout(part, out=part, name=f"{name}[rows {r0}:{r1} of [E * N]]")
+            continue
+        for e in range(r0 // n, (r1 - 1) // n + 1):  # per expert (a run not of whole tiles raises)
+            a, b = max(r0 - e * n, 0), min(r1 - e * n, n)
+            part = codes[e, a:b]
+            to_kernel_layout(part, out=part, name=f"{name}[{e}, {a}:{b}]")

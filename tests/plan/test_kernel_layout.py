@@ -47,6 +47,12 @@ def test_a_partial_load_converts_each_written_row_once():
     want = old.clone()
     want[1, 128:], want[2] = new[1, 128:], new[2]
     assert torch.equal(buf, to_kernel_layout(want))
+    # the same on a strided view of the experts (converted expert by expert)
+    big = torch.cat([to_kernel_layout(old), to_kernel_layout(old)], dim=-1)
+    view = big[..., :64]
+    view[1, 128:], view[2] = new[1, 128:], new[2]
+    rows_to_kernel_layout(view, {1: range(128, 256), 2: range(256)})
+    assert torch.equal(view, to_kernel_layout(want)) and torch.equal(big[..., 64:], to_kernel_layout(old))
 
 
 def test_fits_and_errors():
@@ -56,6 +62,10 @@ def test_fits_and_errors():
         to_kernel_layout(_codes(32, 64), name="w2")
     with pytest.raises(ValueError, match="w13: out must be uint8"):
         to_kernel_layout(_codes(64, 64), out=torch.zeros(64, 32, dtype=torch.uint8), name="w13")
+    with pytest.raises(ValueError, match=r"w13\[1, 0:32\]: the fragment layout needs N a multiple of 64"):
+        rows_to_kernel_layout(_codes(2, 128, 64), {1: range(32)}, name="w13")
+    with pytest.raises(ValueError, match=r"w13\[0, 96:128\]: the fragment layout"):  # a run across experts
+        rows_to_kernel_layout(_codes(2, 128, 64), {0: range(96, 128), 1: range(32)}, name="w13")
 
 
 def test_the_ops_read_converted_weights():
