@@ -60,10 +60,18 @@ def _named(layer, fc1, fc2, F):
 
 
 def _conversion_table(engine, run, floor, iters, out):
-    """The v3 kernel-layout conversion of one layer's codes alone, in place (what `settle_load` runs
-    on CUDA: one Triton pass), the layout's torch definition, and a device copy of the same bytes."""
-    from quads_megatron.kernels.fragment_layout import (_from_fragment_order_torch, _to_fragment_order_torch,
-                                                        from_fragment_order, to_fragment_order)
+    """The v3 kernel-layout conversion of one layer's codes alone, in place: the one-pass Triton form
+    (`kernels.fragment_convert`, the candidate CUDA path), the layout's torch definition (what
+    `settle_load` runs today), and a device copy of the same bytes."""
+    from quads_megatron.kernels.fragment_convert import convert_fragment_order
+    from quads_megatron.kernels.fragment_layout import _from_fragment_order_torch, _to_fragment_order_torch
+
+    def to_fragment_order(c, out):
+        return convert_fragment_order(c, out, False)
+
+    def from_fragment_order(c, out):
+        return convert_fragment_order(c, out, True)
+
     from quads_megatron.plan.kernel_layout import kernel_layout_fits
 
     codes = [getattr(engine, n).clone() for n in ("w13", "w2")]
@@ -79,11 +87,11 @@ def _conversion_table(engine, run, floor, iters, out):
         assert torch.equal(from_fragment_order(c, out=c), keep), "inverse conversion did not restore the codes"
     rows = [
         ("copy", "device copy of the same bytes (baseline)", lambda: [s.copy_(c) for s, c in zip(spare, codes)]),
-        ("to_kernel_layout", "to_fragment_order in place (Triton on CUDA)",
+        ("to_kernel_layout", "one Triton pass in place (fragment_convert)",
          lambda: [to_fragment_order(c, out=c) for c in codes]),
-        ("from_kernel_layout", "from_fragment_order in place (Triton on CUDA)",
+        ("from_kernel_layout", "its inverse, one Triton pass in place",
          lambda: [from_fragment_order(c, out=c) for c in codes]),
-        ("to_kernel_layout_torch", "the layout's torch definition + copy into place (before)",
+        ("to_kernel_layout_torch", "the layout's torch definition + copy into place (settle_load today)",
          lambda: [c.copy_(_to_fragment_order_torch(c)) for c in codes]),
         ("from_kernel_layout_torch", "its inverse in torch + copy into place",
          lambda: [c.copy_(_from_fragment_order_torch(c)) for c in codes]),

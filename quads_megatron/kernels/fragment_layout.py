@@ -13,8 +13,9 @@ with row 16q + 8h + g and, for pair j (0-3) of word w and half b (0-1), column
 f16x2 of the scales (s[2w], s[2w + 1], read straight from ModelOpt's scale layout) scales the
 whole word. Atoms are stored [N/64][K/128], so a 64-row tile streams contiguously along K.
 The block scales keep ModelOpt's layout; only the codes move. `to_fragment_order` and
-`from_fragment_order` are exact inverses on every byte: one Triton pass on CUDA tensors
-(`fragment_convert`, in place when `out` is the input), the plain-torch definition below elsewhere.
+`from_fragment_order` are exact inverses on every byte, in the plain-torch definition below. A
+one-pass Triton form (`fragment_convert`, in place) is tested bit-exactly in the interpreter and is
+timed by `tools/bench_refit.py`; it becomes the CUDA path once the H200 has confirmed it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Optional
 
 import torch
 
-from .fragment_convert import convert_fragment_order
 
 ROWS = 64   # rows of one atom (a wgmma m64 tile of one warpgroup)
 COLS = 128  # columns of one atom (one K step of the kernel)
@@ -65,11 +65,7 @@ def _check_out(out: torch.Tensor, like: torch.Tensor, name: str) -> None:
 
 
 def _convert(x: torch.Tensor, out: Optional[torch.Tensor], inverse: bool, torch_form) -> torch.Tensor:
-    """CUDA: the one-pass Triton kernel, straight into `out` (or a new tensor) when `out` is
-    contiguous; otherwise the torch definition, copied into `out` if one is given."""
-    if x.is_cuda and (out is None or out.is_contiguous()):
-        return convert_fragment_order(x, torch.empty_like(x, memory_format=torch.contiguous_format)
-                                      if out is None else out, inverse)
+    """The torch definition, copied into `out` if one is given."""
     y = torch_form(x)
     return y if out is None else out.copy_(y)
 

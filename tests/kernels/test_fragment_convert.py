@@ -136,18 +136,18 @@ def test_triton_strided_and_overlapping_sources_cpu():
                                    (4, 4096, 2048),      # K = 4096: 32 atoms, through a copy
                                    (1, 64, 64)])
 def test_cuda_conversion_is_bit_exact_gpu(shape):
-    """to_fragment_order / from_fragment_order on CUDA (the Triton pass) against the torch
-    definition on the same bytes, new tensor, in place, and the inverse."""
+    """The Triton pass on CUDA against the torch definition on the same bytes: new tensor, in place,
+    and the inverse (the check that lets it become the CUDA path of to/from_fragment_order)."""
     g = torch.Generator(device="cuda").manual_seed(shape[-1])
     w = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
     frag = _to_fragment_order_torch(w)
-    assert torch.equal(to_fragment_order(w), frag)
-    assert torch.equal(from_fragment_order(frag), w)
+    assert torch.equal(convert_fragment_order(w, torch.empty_like(w)), frag)
+    assert torch.equal(convert_fragment_order(frag, torch.empty_like(frag), inverse=True), w)
     buf = w.clone()
     ptr = buf.data_ptr()
-    to_fragment_order(buf, out=buf)
+    convert_fragment_order(buf, buf)
     assert buf.data_ptr() == ptr and torch.equal(buf, frag)
-    from_fragment_order(buf, out=buf)
+    convert_fragment_order(buf, buf, inverse=True)
     assert torch.equal(buf, w)
     assert torch.equal(_from_fragment_order_torch(frag), w)
 
