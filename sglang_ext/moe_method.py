@@ -21,6 +21,10 @@ bytes, `layer.quads_fresh` records the (expert, shard) slices written since the 
 exactly those slices in place (a partial reload converts only what it wrote; CUDA graphs keep the
 storage). Every update must end in `process_weights_after_loading` (SGLang's end_weight_update), as
 the RAC columns and BF16 staging already require. `modelopt_codes` reads the codes back.
+A layer holding every expert unsharded (EP = 1, MoE TP = 1) also takes each parameter whole, under its own
+name (`model.layers.0.mlp.experts.w13_weight`, SGLang's two-argument `weight_loader(param, tensor)`):
+`sglang_ext.stacked_load` checks it once, copies it in place and marks every slice written (the RL tensor
+sync: one call per layer parameter instead of one per expert, shard and tensor).
 Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`), named by its
 HF name (`model.layers.0.mlp.experts.3.up_proj.weight_scale`), and `process_weights_after_loading`
 names any expert slice the first load did not write; the forward skips the kernels' value checks.
@@ -41,7 +45,7 @@ from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
-from sglang_ext import bf16_sync
+from sglang_ext import bf16_sync, stacked_load
 from quads_megatron.kernels import w4a4_fused_moe
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 
@@ -179,7 +183,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             checked = checked_loader(weight_loader, functools.partial(self._check_loaded, layer, pname))
             if pname in ("w13_weight", "w2_weight"):  # a BF16 weight sync sends these unquantized
                 checked = functools.partial(self._load_weight, layer, checked)
-            set_weight_attrs(p, {"weight_loader": checked, **attrs})
+            set_weight_attrs(p, {"weight_loader": self._layer_or_expert_loader(layer, pname, checked), **attrs})
 
         block = FusedMoeWeightScaleSupported.BLOCK.value
         for which, (n, k_in) in (("w13", (2 * f, h)), ("w2", (h, f))):  # the rollout layout (plan.layout)
@@ -245,6 +249,37 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             name = f"{self.prefix or 'experts'}.{expert_id}.{_PROJ[shard_id]}.weight"
             return bf16_sync.stage(layer, name, loaded_weight, shard_id, expert_id)
         return checked(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+
+    def _layer_or_expert_loader(self, layer: torch.nn.Module, pname: str, per_expert):
+        """`(param, tensor)`: the whole layer's `pname` (`stacked_load`); with SGLang's expert arguments
+        (`name, shard_id=, expert_id=`): one expert's slice, through `per_expert`."""
+        def load(param, loaded_weight, *args, **kwargs):
+            if args or kwargs:
+                return per_expert(param, loaded_weight, *args, **kwargs)
+            return self._load_stacked(layer, pname, param, loaded_weight)
+
+        return load
+
+    def _load_stacked(self, layer: torch.nn.Module, pname: str, param, loaded: torch.Tensor) -> None:
+        """One whole-layer tensor under the FusedMoE parameter's name: checked once, copied in place, marked."""
+        name = f"{self.prefix or 'experts'}.{pname}"
+        if not stacked_load.holds_every_expert(layer):
+            raise CheckpointError(
+                f"{name}: a whole-layer tensor needs every expert of the layer unsharded on this rank (EP size 1, "
+                f"MoE TP size 1); this rank has EP {layer.moe_ep_size}, MoE TP {layer.moe_tp_size}, "
+                f"{layer.num_local_experts} of {layer.num_experts} experts: send the per-expert names "
+                f"(experts.<e>.gate_proj.weight, ...)")
+        if pname in ("w13_weight", "w2_weight") and loaded.is_floating_point():
+            return stacked_load.stage_bf16(layer, self.prefix or "experts", pname, loaded, FC1_SHARDS)
+        h, f = layer.quads_dims
+        loaded = stacked_load.checked_stacked(name, pname, param, loaded, h if pname.startswith("w13") else f)
+        param.data.copy_(loaded)
+        if pname in _TRACKED:
+            slots = [(e, sid) for e in range(layer.num_local_experts)
+                     for sid in (FC1_SHARDS if pname.startswith("w13") else ("w2",))]
+            layer.quads_slices.mark(pname, slots)
+            if pname in ("w13_weight", "w2_weight"):
+                layer.quads_fresh.mark(pname, slots)
 
     def _global_id(self, layer: torch.nn.Module, local: int) -> int:
         return local + layer.moe_ep_rank * layer.num_local_experts

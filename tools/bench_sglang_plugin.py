@@ -9,11 +9,17 @@ weights (equal to an eager forward). Correctness against the reference is the te
 
     python tools/bench_sglang_plugin.py            # H100/H200, needs SGLang importable
     python tools/bench_sglang_plugin.py --tiny     # CPU smoke run (torch reference kernels)
+    python tools/bench_sglang_plugin.py --update-only   # the MoE update alone: per expert vs whole layer
+
+The MoE update runs twice: per expert and shard (SGLang's expert branch, 9+ loader calls per expert) and
+"stacked", one whole-layer tensor per FusedMoE parameter (`sglang_ext.stacked_load`, what the GRPO tensor
+sync sends a tp_size 1 server).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 import sys
 from pathlib import Path
@@ -103,7 +109,24 @@ def bench_qkv(sh, cfg, device, tokens, iters):
     return run(model, lambda: layer(x)[0], tensors, device, iters)
 
 
-def bench_moe(sh, cfg, device, tokens, iters):
+def stack_layer(ck: dict, e: int) -> dict:
+    """Per-expert HF tensors (`experts.{e}.{proj}.{key}`) as the FusedMoE parameters they fill, whole
+    (`w13_weight` [E, 2F, H/2]: gate rows then up rows, `w13_weight_scale_2` [E, 2], ...)."""
+    out = {}
+    for which, projs in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
+        for key in ("weight", "weight_scale", "weight_scale_2", "input_scale", "input_comp_index"):
+            per = [[ck[f"experts.{x}.{p}.{key}"] for p in projs] for x in range(e)]
+            if key in ("weight", "weight_scale"):
+                t = torch.stack([torch.cat(ts) for ts in per])
+            else:
+                t = torch.stack([torch.stack([v.reshape(-1) for v in ts]) for ts in per])  # [E, projs, 1 or k]
+                t = t.reshape(e, len(projs), -1) if key == "input_comp_index" else t.reshape(e, len(projs))
+                t = t if which == "w13" else t.reshape(e, *t.shape[2:])
+            out[f"{which}_{key}"] = t
+    return out
+
+
+def bench_moe(sh, cfg, device, tokens, iters, stacked=False):
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
@@ -117,25 +140,27 @@ def bench_moe(sh, cfg, device, tokens, iters):
     params = dict(layer.named_parameters(prefix="experts"))
     k = cfg.rollout.rac_channels
     def tensors(seed):
-        """(param, tensor, loader args) calls of one checkpoint version, already on the device."""
-        fc1, calls = comp_index(h, k or 16, seed), []
+        """(param, tensor, loader args) calls of one checkpoint version, already on the device: per expert and
+        shard (SGLang's expert branch), or with stacked one whole-layer tensor per parameter (two arguments)."""
+        fc1, calls, ck = comp_index(h, k or 16, seed), [], {}
         for ex in range(e):
             gate, up = nvfp4_gate_up(f, h, seed + ex)
-            ck = {}
             for proj, t in (("gate_proj", gate), ("up_proj", up),
                             ("down_proj", nvfp4_linear(h, f, seed + e + ex))):
                 ck.update({f"experts.{ex}.{proj}.{key}": v for key, v in t.items()})
                 ck[f"experts.{ex}.{proj}.input_scale"] = input_scale(seed)
                 ck[f"experts.{ex}.{proj}.input_comp_index"] = (
                     comp_index(f, k or 16, seed + ex) if proj == "down_proj" else fc1)
-            for name, t in ck.items():
-                for param_name, weight_name, expert_id, shard_id in mapping:
-                    if weight_name in name:
-                        target = name.replace(weight_name, param_name)
-                        if target in params:
-                            calls.append((params[target], t.to(device),
-                                          (target, shard_id, expert_id)))
-                        break
+        if stacked:
+            return [(params[f"experts.{n}"], t.to(device), ()) for n, t in stack_layer(ck, e).items()
+                    if f"experts.{n}" in params]
+        for name, t in ck.items():
+            for param_name, weight_name, expert_id, shard_id in mapping:
+                if weight_name in name:
+                    target = name.replace(weight_name, param_name)
+                    if target in params:
+                        calls.append((params[target], t.to(device), (target, shard_id, expert_id)))
+                    break
         return calls
 
     x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
@@ -146,13 +171,18 @@ def bench_moe(sh, cfg, device, tokens, iters):
 
 
 def run(model, fwd, tensors, device, iters):
-    """(eager ms, graph ms, update ms, replay after update == eager)."""
+    """(eager ms, graph ms, update ms, replay after update == eager); iters 0: the update only."""
     def load(calls):
         for p, t, args in calls:
             p.weight_loader(p, t, *args)
 
     first, second = tensors(1), tensors(2)
     update(model, lambda: load(first), device)
+    if not iters:
+        from quads_megatron.apps.study.timing import time_ms
+
+        return float("nan"), float("nan"), time_ms(lambda: update(model, lambda: load(second), device),
+                                                   device=device, iters=1, warmup=0, mode="wall"), True
     eager = timed(fwd, device, iters)
     replay, out = graph_of(fwd, device)
     graph = timed(replay, device, iters) if out is not None else float("nan")
@@ -172,6 +202,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16, help="decode batch (tokens per forward)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--mode", default="w4a4_rac", choices=("w4a4", "w4a4_rac", "w4a16"))
+    p.add_argument("--update-only", action="store_true",
+                   help="time the MoE layer's weight update only (per expert vs whole-layer tensors; a CPU run)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     init_sglang()
@@ -183,10 +215,13 @@ def main() -> None:
     cfg = QuadsConfig(RolloutQuantConfig(precision=args.mode, activation_scaling="per_token",
                                     rac_channels=k if args.mode == "w4a4_rac" else 0))
     print(f"device {device}, mode {args.mode}, {args.tokens} tokens, shapes {sh}")
-    print(f"{'layer':<10} {'eager ms':>9} {'graph ms':>9} {'update ms':>10}  replay after update")
-    for name, fn in (("qkv_proj", bench_qkv), ("experts", bench_moe)):
-        eager, graph, upd, ok = fn(sh, cfg, device, args.tokens, args.iters)
-        print(f"{name:<10} {eager:>9.3f} {graph:>9.3f} {upd:>10.1f}  "
+    print(f"{'layer':<16} {'eager ms':>9} {'graph ms':>9} {'update ms':>10}  replay after update")
+    rows = [("experts", bench_moe),
+            ("experts stacked", functools.partial(bench_moe, stacked=True))]  # one call per layer parameter
+    rows = rows if args.update_only else [("qkv_proj", bench_qkv)] + rows
+    for name, fn in rows:
+        eager, graph, upd, ok = fn(sh, cfg, device, args.tokens, 0 if args.update_only else args.iters)
+        print(f"{name:<16} {eager:>9.3f} {graph:>9.3f} {upd:>10.1f}  "
               f"{'ok' if ok else 'STALE'}{'' if device.type == 'cuda' else ' (no graph on CPU)'}")
 
 

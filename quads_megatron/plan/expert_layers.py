@@ -67,6 +67,20 @@ class ExpertsLayer:
         """HF weight names of ``projs`` for every expert, expert-major (gate_0, up_0, gate_1, ...)."""
         return [f"{self.prefix}.{e}.{p}.weight" for e in self.experts for p in projs]
 
+    @property
+    def stackable(self) -> bool:
+        """True when fc1 and fc2 are ``[E, N, K]`` tensors of experts ``0..E-1`` (whole-layer views, no copy)."""
+        return (isinstance(self.fc1, torch.Tensor) and isinstance(self.fc2, torch.Tensor)
+                and self.experts == list(range(len(self.experts))))
+
+    def stacked_items(self) -> Iterator[Named]:
+        """The layer as SGLang FusedMoE parameters (``{prefix}.w13_weight`` [E, 2F, H], ``.w2_weight`` [E, H, F]):
+        the trainer's own tensors; requires ``stackable``."""
+        if not self.stackable:
+            raise ValueError(f"{self.prefix}: stacked items need [E, N, K] fc1/fc2 tensors of experts 0..E-1")
+        yield f"{self.prefix}.w13_weight", self.fc1
+        yield f"{self.prefix}.w2_weight", self.fc2
+
     def hf_items(self) -> Iterator[Named]:
         """The per-expert HF stream of this layer (views, no copy): gate, up, down of each expert."""
         F = self.ffn
@@ -102,6 +116,26 @@ class QuantizedExperts:
             for j, proj in enumerate(EXPERT_FC1):
                 yield from zip(modelopt_names(f"{pre}.{proj}.weight"), (halves[0][2 * i + j], halves[1][2 * i + j], s1[i]))
             yield from zip(modelopt_names(f"{pre}.{EXPERT_FC2[0]}.weight"), (d2[i], sc2[i], s2[i]))
+
+    @property
+    def stackable(self) -> bool:
+        """True when the layer holds experts ``0..E-1`` in order (the FusedMoE parameters' expert order)."""
+        return self.source.experts == list(range(len(self.source.experts)))
+
+    def stacked_items(self) -> Iterator[Named]:
+        """The layer as SGLang FusedMoE parameters (``{prefix}.w13_weight`` [E, 2F, H/2], ``_weight_scale``,
+        ``_weight_scale_2`` [E, 2] (gate and up share one), ``w2_*``): the grouped launches' own buffers (the
+        [E, 2] scale pair is the only new tensor). Requires ``stackable``."""
+        if not self.stackable:
+            raise ValueError(f"{self.source.prefix}: stacked items need experts 0..E-1 in order, got "
+                             f"{self.source.experts[:8]}")
+        E, pre = len(self.source.experts), self.source.prefix
+        yield f"{pre}.w13_weight", self.fc1.data
+        yield f"{pre}.w13_weight_scale", self.fc1.scale
+        yield f"{pre}.w13_weight_scale_2", self.fc1.global_scale.reshape(E, 1).expand(E, 2)
+        yield f"{pre}.w2_weight", self.fc2.data
+        yield f"{pre}.w2_weight_scale", self.fc2.scale
+        yield f"{pre}.w2_weight_scale_2", self.fc2.global_scale.reshape(E)
 
     def scale_groups(self) -> Iterator[tuple]:
         """The per-expert ``quantize_scale_groups`` items ``(names, tensors, NVFP4Tensors)`` (views)."""

@@ -171,18 +171,25 @@ def _check_scales(batches) -> None:
                              f"NVFP4 can only encode finite values")
 
 
-def quantize_named_params(named_tensors: Iterable, plan: QuantPlan) -> Iterator[Named]:
+def quantize_named_params(named_tensors: Iterable, plan: QuantPlan, keep_layers: bool = False) -> Iterator:
     """Yield the rollout's ``(name, tensor)``: NVFP4 triples where the plan says so, the rest as given
-    (``ExpertsLayer`` items of the stream come out under their per-expert names)."""
+    (``ExpertsLayer`` items of the stream come out under their per-expert names, or with keep_layers as
+    one ``QuantizedExperts`` item each, for a consumer that sends whole layers: ``fused_moe_names``)."""
     for item in quantize_scale_groups(named_tensors, plan):
-        yield from rollout_items(item)
+        if keep_layers and isinstance(item, QuantizedExperts):
+            yield item
+        else:
+            yield from rollout_items(item)
 
 
 def flat_named(stream: Iterable) -> Iterator[Named]:
-    """A weight stream with its ``ExpertsLayer`` items spelled out as per-expert HF ``(name, tensor)`` views."""
+    """A weight stream with its ``ExpertsLayer`` / ``QuantizedExperts`` items spelled out as per-expert HF /
+    ModelOpt ``(name, tensor)`` views."""
     for entry in stream:
         if isinstance(entry, ExpertsLayer):
             yield from entry.hf_items()
+        elif isinstance(entry, QuantizedExperts):
+            yield from entry.rollout_items()
         else:
             yield entry
 

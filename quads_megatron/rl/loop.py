@@ -233,6 +233,7 @@ class GRPOTrainer:
         """Rank 0: the synced weights (NVFP4 where the plan says and the engine wants it) followed by the
         activation-side tensors of their calibration; other ranks: the gather to join. The weights stream
         through the calibration model, whose NVFP4 buffers are what is sent (built once, nothing held)."""
+        from quads_megatron.plan import QuantizedExperts
         from quads_megatron.plan.named_params import rollout_items
         from quads_megatron.rollout import CALIBRATION_DTYPE, RolloutModel
 
@@ -249,7 +250,10 @@ class GRPOTrainer:
 
         def stream():
             for item in model.load_groups(self.policy.hf_weights(stacked_experts=True)):
-                yield from rollout_items(item, quantized=nvfp4)
+                if isinstance(item, QuantizedExperts):  # a whole layer: the engine picks its wire names
+                    yield item if nvfp4 else item.source
+                else:
+                    yield from rollout_items(item, quantized=nvfp4)
             model.calibrate(self.calibration_prompts())
             yield from model.activation_tensors()
         return stream()

@@ -213,14 +213,14 @@ class MegatronPolicy:
 
         quantized: the plan's NVFP4 weights come out as ModelOpt triples (what an SGLang quads server loads).
         stacked_experts: each layer's routed experts as one ``plan.ExpertsLayer`` item (the refit's layer
-        stream, quantized in two grouped launches per layer); with quantized, they still come out per expert
-        (views of the layer's NVFP4 tensors).
+        stream, quantized in two grouped launches per layer); with quantized, as one ``plan.QuantizedExperts``
+        item (``plan.named_params.flat_named`` spells either out per expert).
         """
         from quads_megatron.convert import iter_hf_weights
         from quads_megatron.plan import quantize_named_params
 
         named = iter_hf_weights(self.model, vocab_size=self.vocab_size, stacked_experts=stacked_experts)
-        return quantize_named_params(named, self.plan) if quantized else named
+        return quantize_named_params(named, self.plan, keep_layers=stacked_experts) if quantized else named
 
     def load_hf_checkpoint(self) -> None:
         """Fill the model from --hf-checkpoint (the converters' HF -> Megatron path)."""

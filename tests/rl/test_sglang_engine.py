@@ -17,9 +17,11 @@ from quads_megatron.rl.engines.sglang_http import SGLangEngine, SGLangError
 
 
 class _Server:
-    def __init__(self, fail_update=False, tp_size=1, routes=None):
-        """routes: (layers, top_k) to answer meta_info.routed_experts as SGLang's detokenizer encodes it."""
+    def __init__(self, fail_update=False, tp_size=1, routes=None, quantization=None):
+        """routes: (layers, top_k) to answer meta_info.routed_experts as SGLang's detokenizer encodes it;
+        quantization: the server's --quantization, as /get_server_info reports it."""
         self.calls, self.fail_update, self.tp_size, self.received = [], fail_update, tp_size, []
+        self.quantization = quantization
         self.routes, self.sent_routes = routes, []
         owner = self
 
@@ -37,7 +39,8 @@ class _Server:
 
             def do_GET(self):
                 owner.calls.append((self.path, None))
-                self._reply({"tp_size": owner.tp_size} if self.path == "/get_server_info" else {})
+                info = {"tp_size": owner.tp_size, "quantization": owner.quantization}
+                self._reply(info if self.path == "/get_server_info" else {})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -203,6 +206,40 @@ def test_bf16_weight_sync_sends_high_precision_tensors(servers):
                                                         "/end_weight_update"]
     (((name, t),),) = s.received[0]
     assert name == w[0][0] and t.dtype == torch.bfloat16 and torch.equal(t, w[0][1])
+
+
+@pytest.mark.parametrize("tp_size,quantization,mode,stacked", [
+    (1, "quads", "tensor", True), (1, "quads", "tensor-bf16", True), (2, "quads", "tensor", False),
+    (1, None, "tensor", False), (1, "quads", "disk", False)])
+def test_layers_go_out_whole_only_to_unsharded_quads_servers(servers, tmp_path, tp_size, quantization, mode, stacked):
+    """A layer item is sent as FusedMoE parameters (one server load call each) only by a tensor sync to quads
+    servers of tp_size 1; otherwise under the per-expert names the server's own TP/EP slicing takes."""
+    from quads_megatron.plan import ExpertsLayer, QuantPlan, quantize_named_params
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.recipe import QuadsRecipe
+
+    E, H, F = 2, 32, 16
+    dims = qwen3_moe.Dims(vocab_size=96, hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                          num_experts=E, moe_ffn=F, tie_word_embeddings=False)
+    plan = QuantPlan.resolve(QuadsRecipe(rollout_precision="w4a4"), dims)
+    layer = ExpertsLayer(0, torch.randn(E, 2 * F, H).to(torch.bfloat16), torch.randn(E, H, F).to(torch.bfloat16))
+    s = servers(tp_size=tp_size, quantization=quantization)
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path))
+    assert eng.sends_stacked == stacked
+    stream = [layer] if mode == "tensor-bf16" else list(quantize_named_params([layer], plan, keep_layers=True))
+    eng.update_weights(stream)
+    if mode == "disk":
+        path = [b for p, b in s.calls if p == "/update_weights_from_disk"][0]["model_path"]
+        names = set(load_file(f"{path}/model.safetensors"))
+    else:
+        names = {n for bucket in s.received for n, _ in bucket[0]}
+    pre = "model.layers.0.mlp.experts"
+    if stacked:
+        want = {"w13_weight", "w2_weight"} if mode == "tensor-bf16" else {
+            f"{w}_{k}" for w in ("w13", "w2") for k in ("weight", "weight_scale", "weight_scale_2")}
+        assert names == {f"{pre}.{n}" for n in want}
+    else:
+        assert len(names) == 9 * E and f"{pre}.1.up_proj.weight_scale_2" in names
 
 
 def test_bf16_weight_sync_refuses_an_attention_scope():

@@ -16,13 +16,31 @@ from tiny_flags import TINY
 pytest.importorskip("sglang", reason="SGLang is not installed (the wire format's bucket class)")
 
 
-@pytest.mark.parametrize("scaling", ["per_token", "static"])
-def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling):
+def _per_expert(received: dict) -> dict:
+    """Whole-layer FusedMoE tensors (a quads server of tp_size 1 receives those) spelled out per expert."""
+    out = {}
+    for name, t in received.items():
+        prefix, _, param = name.rpartition(".")
+        which, _, key = param.partition("_")
+        if not prefix.endswith("mlp.experts") or which not in ("w13", "w2"):
+            out[name] = t
+            continue
+        projs = ("gate_proj", "up_proj") if which == "w13" else ("down_proj",)
+        for e in range(t.shape[0]):
+            parts = t[e].chunk(2) if which == "w13" and key in ("weight", "weight_scale") else \
+                (t[e].unbind(0) if which == "w13" else [t[e]])
+            for proj, v in zip(projs, parts):
+                out[f"{prefix}.{e}.{proj}.{key}"] = v
+    return out
+
+
+@pytest.mark.parametrize("scaling,quantization", [("per_token", None), ("static", None), ("static", "quads")])
+def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling, quantization):
     from quads_megatron.rl.arguments import parse_args
     from quads_megatron.rl.engines.local import LocalEngine
     from quads_megatron.rl.loop import GRPOTrainer
 
-    server = _Server()
+    server = _Server(quantization=quantization)
     try:
         args = parse_args(TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--rollout-engine", "sglang",
                                   "--sglang-url", server.url, "--rollout-precision", "w4a4_rac", "--rac-channels", "16",
@@ -31,6 +49,9 @@ def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling):
         try:
             trainer.sync_weights()
             received = {n: t for bucket in server.received for (payload,) in [bucket] for n, t in payload}
+            whole = [n for n in received if ".experts.w" in n]
+            assert bool(whole) == (quantization == "quads")   # one tensor per FusedMoE parameter, or per expert
+            received = _per_expert(received)
             local = LocalEngine(trainer.policy.hf_config(), trainer.policy.plan, max_seq_len=32, device="cpu",
                                 dtype=torch.float32)
             local.update_weights(trainer.policy.hf_weights())

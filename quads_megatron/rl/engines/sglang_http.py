@@ -56,10 +56,11 @@ class SGLangEngine(RolloutEngine):
         self.bucket_bytes = bucket_bytes
         if self.router_url:
             self._get(self.router_url, "/health", timeout=10)
-        self.tp_sizes = {}
+        self.tp_sizes, self.quantizations = {}, {}
         for u in self.urls:
             info = self._get(u, "/get_server_info", timeout=10)
             self.tp_sizes[u] = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+            self.quantizations[u] = info.get("quantization") if isinstance(info, dict) else None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
 
     # ------------------------------------------------------------------ HTTP
@@ -157,12 +158,26 @@ class SGLangEngine(RolloutEngine):
         """True when the trainer quantizes before the sync (False: BF16 goes out, the server quantizes)."""
         return self.weight_sync != "tensor-bf16"
 
+    @property
+    def sends_stacked(self) -> bool:
+        """True when each layer's experts go out as whole-layer FusedMoE parameters (one server load call per
+        parameter, not per expert): a tensor sync to quads servers that all run tp_size 1 (every expert
+        unsharded on the one rank; a sharded server slices per-expert names itself)."""
+        return (self.weight_sync in ("tensor", "tensor-bf16") and all(tp == 1 for tp in self.tp_sizes.values())
+                and all(q == "quads" for q in self.quantizations.values()))
+
+    def wire_items(self, named_tensors: Iterable) -> Iterable[tuple[str, torch.Tensor]]:
+        """The stream as the names this sync sends (``plan.fused_moe_names.sglang_named``)."""
+        from quads_megatron.plan.fused_moe_names import sglang_named
+
+        num_experts = getattr(self.hf_config, "num_experts", None) if self.hf_config is not None else None
+        return sglang_named(named_tensors, stacked=self.sends_stacked, num_experts=num_experts)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], measure_error: bool = False) -> None:
         """measure_error: ignored (the weight error is the trainer's export error, measured there). A layer's
-        ``ExpertsLayer`` item (BF16 sync of the layer stream) goes out under its per-expert HF names."""
-        from quads_megatron.plan.named_params import flat_named
-
-        named = [(k, v.detach().contiguous()) for k, v in flat_named(named_tensors)]
+        ``ExpertsLayer`` / ``QuantizedExperts`` item goes out as whole-layer FusedMoE parameters where
+        ``sends_stacked``, else under its per-expert names."""
+        named = [(k, v.detach().contiguous()) for k, v in self.wire_items(named_tensors)]
         for u in self.urls:
             self._post(u, "/begin_weight_update", {})
         try:
@@ -206,7 +221,9 @@ class SGLangEngine(RolloutEngine):
         final = os.path.join(base, "weights")
         # rewritten every sync: no manifest (the server reads it at once), the previous copy replaced last
         with atomic_output_dir(final, force=True, flag="--sglang-sync-dir", manifest=False) as tmp:
-            save_file({k: v.cpu() for k, v in named}, os.path.join(tmp, "model.safetensors"))
+            # a host copy per tensor (views of one buffer, e.g. gate and up's shared weight_scale_2, are refused)
+            save_file({k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in named},
+                      os.path.join(tmp, "model.safetensors"))
             if self.hf_config is not None:
                 self.hf_config.save_pretrained(tmp)
             if self.tokenizer is not None:
