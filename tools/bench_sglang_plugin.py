@@ -171,18 +171,30 @@ def bench_moe(sh, cfg, device, tokens, iters, stacked=False):
 
 
 def run(model, fwd, tensors, device, iters):
-    """(eager ms, graph ms, update ms, replay after update == eager); iters 0: the update only."""
+    """(eager ms, graph ms, update ms, replay after update == eager); iters 0: the update only, as
+    (load ms, process ms, update ms, loader calls)."""
     def load(calls):
         for p, t, args in calls:
             p.weight_loader(p, t, *args)
 
     first, second = tensors(1), tensors(2)
     update(model, lambda: load(first), device)
-    if not iters:
-        from quads_megatron.apps.study.timing import time_ms
+    if not iters:  # the update alone, its two halves: the loader calls, then process_weights_after_loading
+        import time
 
-        return float("nan"), float("nan"), time_ms(lambda: update(model, lambda: load(second), device),
-                                                   device=device, iters=1, warmup=0, mode="wall"), True
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        DefaultModelLoader.restore_weights_before_loading(model, device)
+        sync()
+        t0 = time.perf_counter()
+        load(second)
+        sync()
+        t1 = time.perf_counter()
+        DefaultModelLoader.postprocess_weights(model, device)
+        sync()
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3, len(second)
     eager = timed(fwd, device, iters)
     replay, out = graph_of(fwd, device)
     graph = timed(replay, device, iters) if out is not None else float("nan")
@@ -215,12 +227,18 @@ def main() -> None:
     cfg = QuadsConfig(RolloutQuantConfig(precision=args.mode, activation_scaling="per_token",
                                     rac_channels=k if args.mode == "w4a4_rac" else 0))
     print(f"device {device}, mode {args.mode}, {args.tokens} tokens, shapes {sh}")
-    print(f"{'layer':<16} {'eager ms':>9} {'graph ms':>9} {'update ms':>10}  replay after update")
     rows = [("experts", bench_moe),
             ("experts stacked", functools.partial(bench_moe, stacked=True))]  # one call per layer parameter
     rows = rows if args.update_only else [("qkv_proj", bench_qkv)] + rows
+    if args.update_only:
+        print(f"{'layer':<16} {'load ms':>9} {'process ms':>11} {'update ms':>10} {'loader calls':>13}")
+        for name, fn in rows:
+            load_ms, process_ms, upd, calls = fn(sh, cfg, device, args.tokens, 0)
+            print(f"{name:<16} {load_ms:>9.1f} {process_ms:>11.1f} {upd:>10.1f} {calls:>13}")
+        return
+    print(f"{'layer':<16} {'eager ms':>9} {'graph ms':>9} {'update ms':>10}  replay after update")
     for name, fn in rows:
-        eager, graph, upd, ok = fn(sh, cfg, device, args.tokens, 0 if args.update_only else args.iters)
+        eager, graph, upd, ok = fn(sh, cfg, device, args.tokens, args.iters)
         print(f"{name:<16} {eager:>9.3f} {graph:>9.3f} {upd:>10.1f}  "
               f"{'ok' if ok else 'STALE'}{'' if device.type == 'cuda' else ' (no graph on CPU)'}")
 

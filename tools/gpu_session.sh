@@ -103,6 +103,8 @@ for s in "$@"; do
       # SGLang's server with --quantization quads: agreement, weight updates, throughput (SGLANG_ARGS picks)
       stage sglang
       with_sglang || exit 1
+      # one MoE layer's update through the quads loaders: per expert vs whole-layer tensors (load / process ms)
+      $PY tools/bench_sglang_plugin.py --update-only 2>&1 | grep -v -i warn | tail -4 || echo "bench_sglang_plugin failed"
       $PY tools/sglang_h200.py --out-json "$OUT/sglang.json" ${SGLANG_ARGS:-} ;;
     sglang-grpo|grpo)
       # the main job on the pretrained preset with routing replay: SGLang rollouts (--sglang-launch, its

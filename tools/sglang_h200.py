@@ -194,13 +194,31 @@ def stage_baselines(args, work, result):
         save(result, args.out_json)
 
 
+def layer_stream(src: Path, cfg: dict):
+    """The HF checkpoint at ``src`` on the GPU as the GRPO job's layer stream: each layer's experts one
+    ``ExpertsLayer`` of [E, 2F, H] / [E, H, F] stacks (as the trainer holds them), the rest as (name, tensor)."""
+    from safetensors.torch import load_file
+
+    from quads_megatron.plan import ExpertsLayer
+
+    tensors = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(str(f), device="cuda").items()}
+    E = cfg["num_experts"]
+    for layer in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{layer}.mlp.experts"
+        fc1 = torch.stack([torch.cat([tensors.pop(f"{pre}.{e}.{p}.weight") for p in ("gate_proj", "up_proj")])
+                           for e in range(E)])
+        fc2 = torch.stack([tensors.pop(f"{pre}.{e}.down_proj.weight") for e in range(E)])
+        yield ExpertsLayer(layer, fc1, fc2)
+    yield from tensors.items()
+
+
 def stage_update(args, work, cfg, calib, result):
     """w4a4 server: tensor sync to new weights, then disk sync back; each compared with a fresh server."""
-    from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig
 
     from quads_megatron.models import qwen3_moe
     from quads_megatron.plan import QuantPlan, quantize_named_params
+    from quads_megatron.plan.named_params import flat_named
     from quads_megatron.recipe import QuadsRecipe
     from quads_megatron.rl.engines.sglang_http import SGLangEngine
     from quads_megatron.vocab import parse_precision
@@ -216,21 +234,24 @@ def stage_update(args, work, cfg, calib, result):
     out = {}
     with server(work / f"rollout-{p}", "quads", args.port, work / "server-update.log", args.max_bs) as url:
         before = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
-        for mode, src in (("tensor", work / "hf2"), ("disk", work / "hf")):
-            named = [(k, v) for f in sorted(src.glob("*.safetensors"))
-                     for k, v in quantize_named_params(load_file(str(f), device="cuda").items(), plan)]
-            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        # per-expert names (SGLang's expert branch), back from disk, then whole-layer tensors (one loader call
+        # per FusedMoE parameter): each compared with a fresh server on the same weights
+        for name, mode, src in (("tensor", "tensor", work / "hf2"), ("disk", "disk", work / "hf"),
+                                ("tensor stacked", "tensor", work / "hf2")):
+            named = list(quantize_named_params(layer_stream(src, cfg), plan, keep_layers=True))
+            nbytes = sum(t.numel() * t.element_size() for _, t in flat_named(named))
             engine = SGLangEngine([url], max_len, weight_sync=mode, sync_dir=str(work / "sync"),
-                                  hf_config=Qwen3MoeConfig(**cfg))
+                                  hf_config=Qwen3MoeConfig(**cfg), stacked_experts=name == "tensor stacked")
+            assert engine.sends_stacked == (name == "tensor stacked"), "the server must run tp_size 1 with quads"
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             engine.update_weights(named)
             seconds = time.perf_counter() - t0
             after = greedy(engine, prompts, args.new_tokens)
             want = fresh2 if mode == "tensor" else before
-            out[mode] = {"seconds": seconds, "gbytes": nbytes / 1e9, "gb_per_s": nbytes / 1e9 / seconds,
+            out[name] = {"seconds": seconds, "gbytes": nbytes / 1e9, "gb_per_s": nbytes / 1e9 / seconds,
                          "vs_fresh_server": agreement(after, want)}
-            print(f"  update {mode}: {out[mode]}", flush=True)
+            print(f"  update {name}: {out[name]}", flush=True)
             del named
             torch.cuda.empty_cache()
     result["update"] = out

@@ -38,7 +38,7 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, urls: list[str], max_seq_len: int, weight_sync: str = "tensor", sync_dir: str | None = None,
                  timeout_s: float = 600.0, hf_config=None, tokenizer=None, router_url: str | None = None,
-                 bucket_bytes: int = 1 << 30):
+                 bucket_bytes: int = 1 << 30, stacked_experts: bool = True):
         import requests  # noqa: F401  (fail early with ImportError if missing)
 
         if not urls:
@@ -54,6 +54,7 @@ class SGLangEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.router_url = router_url.rstrip("/") if router_url else None
         self.bucket_bytes = bucket_bytes
+        self.stacked_experts = stacked_experts  # False: always the per-expert names (a baseline, an old server)
         if self.router_url:
             self._get(self.router_url, "/health", timeout=10)
         self.tp_sizes, self.quantizations = {}, {}
@@ -163,7 +164,8 @@ class SGLangEngine(RolloutEngine):
         """True when each layer's experts go out as whole-layer FusedMoE parameters (one server load call per
         parameter, not per expert): a tensor sync to quads servers that all run tp_size 1 (every expert
         unsharded on the one rank; a sharded server slices per-expert names itself)."""
-        return (self.weight_sync in ("tensor", "tensor-bf16") and all(tp == 1 for tp in self.tp_sizes.values())
+        return (self.stacked_experts and self.weight_sync in ("tensor", "tensor-bf16")
+                and all(tp == 1 for tp in self.tp_sizes.values())
                 and all(q == "quads" for q in self.quantizations.values()))
 
     def wire_items(self, named_tensors: Iterable) -> Iterable[tuple[str, torch.Tensor]]:
