@@ -140,6 +140,22 @@ def _same_routes(a, b, min_share=0.95):
     assert same >= min_share * total, f"{same}/{total} top-k sets agree"
 
 
+def _layer_stream(hf):
+    """The HF checkpoint as the trainer's layer stream: each layer's experts one ExpertsLayer of [E, N, K] stacks."""
+    from safetensors.torch import load_file
+
+    from quads_megatron.plan import ExpertsLayer
+
+    tensors = load_file(str(hf / "model.safetensors"), device="cuda")
+    E = CONFIG["num_experts"]
+    for layer in range(CONFIG["num_hidden_layers"]):
+        pre = f"model.layers.{layer}.mlp.experts"
+        fc1 = torch.stack([torch.cat([tensors.pop(f"{pre}.{e}.{p}.weight") for p in ("gate_proj", "up_proj")])
+                           for e in range(E)])
+        yield ExpertsLayer(layer, fc1, torch.stack([tensors.pop(f"{pre}.{e}.down_proj.weight") for e in range(E)]))
+    yield from tensors.items()
+
+
 def test_weight_updates_switch_the_running_server_to_the_new_weights(ckpts):
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig
@@ -165,6 +181,15 @@ def test_weight_updates_switch_the_running_server_to_the_new_weights(ckpts):
             else:  # the first weights again: the first outputs, bit for bit
                 assert [r.response_ids for r in after] == [r.response_ids for r in before]
                 assert [r.logprobs for r in after] == [r.logprobs for r in before]
+            if mode == "tensor":
+                per_expert = after
+        # the GRPO job's layer stream to a tp_size 1 quads server: whole-layer FusedMoE tensors, the same outputs
+        engine = SGLangEngine([url], 64, hf_config=Qwen3MoeConfig(**CONFIG))
+        assert engine.sends_stacked
+        engine.update_weights(list(quantize_named_params(_layer_stream(ckpts["hf2"]), plan, keep_layers=True)))
+        stacked = _greedy(engine)
+        assert [r.response_ids for r in stacked] == [r.response_ids for r in per_expert]
+        assert [r.logprobs for r in stacked] == [r.logprobs for r in per_expert]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
