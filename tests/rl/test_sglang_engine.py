@@ -224,8 +224,9 @@ def test_layers_go_out_whole_only_to_unsharded_quads_servers(servers, tmp_path, 
     plan = QuantPlan.resolve(QuadsRecipe(rollout_precision="w4a4"), dims)
     layer = ExpertsLayer(0, torch.randn(E, 2 * F, H).to(torch.bfloat16), torch.randn(E, H, F).to(torch.bfloat16))
     s = servers(tp_size=tp_size, quantization=quantization)
-    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path))
+    eng = SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path), stacked_experts=True)
     assert eng.sends_stacked == stacked
+    assert not SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path)).sends_stacked
     stream = [layer] if mode == "tensor-bf16" else list(quantize_named_params([layer], plan, keep_layers=True))
     eng.update_weights(stream)
     if mode == "disk":

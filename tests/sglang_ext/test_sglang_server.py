@@ -184,7 +184,7 @@ def test_weight_updates_switch_the_running_server_to_the_new_weights(ckpts):
             if mode == "tensor":
                 per_expert = after
         # the GRPO job's layer stream to a tp_size 1 quads server: whole-layer FusedMoE tensors, the same outputs
-        engine = SGLangEngine([url], 64, hf_config=Qwen3MoeConfig(**CONFIG))
+        engine = SGLangEngine([url], 64, hf_config=Qwen3MoeConfig(**CONFIG), stacked_experts=True)
         assert engine.sends_stacked
         engine.update_weights(list(quantize_named_params(_layer_stream(ckpts["hf2"]), plan, keep_layers=True)))
         stacked = _greedy(engine)
