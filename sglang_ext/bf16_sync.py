@@ -83,8 +83,8 @@ def quantize_staged(layer: torch.nn.Module, local_slots, tensor_name, fc1_shards
         e, sid = (owned[i], "w1") if i < n else (owned[i - n], "w2")
         raise CheckpointError(f"{staged[(e, sid)][0]}: NaN or Inf in the BF16 weight update; NVFP4 can only "
                               f"encode finite values")
+    from sglang_ext.moe_method import mark_written  # (moe_method imports this module)
+
     for pname, sids in (("w13_weight", fc1_shards), ("w13_weight_scale", fc1_shards), ("w2_weight", ("w2",)),
                         ("w2_weight_scale", ("w2",))):
-        layer.quads_slices.mark(pname, [(s, sid) for s, _ in pairs for sid in sids])
-        if pname in ("w13_weight", "w2_weight"):  # written in ModelOpt order: converted once after the update
-            layer.quads_fresh.mark(pname, [(s, sid) for s, _ in pairs for sid in sids])
+        mark_written(layer, pname, [(s, sid) for s, _ in pairs for sid in sids])

@@ -46,8 +46,7 @@ from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.nvfp4 import BLOCK_SIZE
-from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
-                                               rows_to_kernel_layout, to_kernel_layout)
+from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, PendingRows, kernel_layout_fits
 from quads_megatron.plan.layout import (COMP_INDEX, COMP_INDEX_DTYPE, WEIGHT, WEIGHT_SCALE, block_scale_cols,
                                         nvfp4_weight_specs, packed_cols)
 
@@ -88,33 +87,11 @@ def _shard_bounds(layer: torch.nn.Module) -> List[int]:
     return torch.tensor([0] + list(layer.logical_widths)).cumsum(0).tolist()
 
 
-def _fresh_rows(layer: torch.nn.Module) -> set:
-    """Rows of `weight` written in ModelOpt order since the last conversion."""
-    b = _shard_bounds(layer)
-    return {r for s in layer.quads_fresh.written.get("weight", ()) for r in range(b[s], b[s + 1])}
-
-
-def _convert_fresh(layer: torch.nn.Module) -> None:
-    """The shards written since the last conversion -> the kernel layout, in place, each exactly once."""
-    rows = _fresh_rows(layer)
-    layer.quads_fresh.written.pop("weight", None)
-    if layer.quads_weight_layout == "modelopt" or not rows:
-        return
-    w = layer.weight.data
-    if len(rows) == w.shape[0]:
-        to_kernel_layout(w, out=w)
-    else:
-        rows_to_kernel_layout(w.unsqueeze(0), {0: rows})
-
-
 def modelopt_codes(layer: torch.nn.Module) -> torch.Tensor:
-    """`weight` in ModelOpt order (the parameter itself in the v2 layout, else a copy): RAC columns,
-    checks and any read-back for a re-send."""
+    """`weight` in ModelOpt order (the parameter itself in the v2 layout, else as
+    `PendingRows.modelopt_codes` reads it): RAC columns, checks and any read-back for a re-send."""
     w = layer.weight.detach()
-    if layer.quads_weight_layout == "modelopt" or len(_fresh_rows(layer)) == w.shape[0]:
-        return w
-    _convert_fresh(layer)  # a load in flight: one layout before reading back
-    return from_kernel_layout(w)
+    return w if layer.quads_weight_layout == "modelopt" else layer.quads_fresh.modelopt_codes(w)
 
 
 class PerShardIndexParameter(BasevLLMParameter):
@@ -199,7 +176,7 @@ class QuadsLinearMethod(LinearMethodBase):
         layer.params_dtype = params_dtype
         layer.quads_input_size = input_size
         layer.quads_slices = SliceLog()
-        layer.quads_fresh = SliceLog()  # weight shards written in ModelOpt order since the last conversion
+        layer.quads_fresh = PendingRows()  # weight rows written in ModelOpt order since the last conversion
         fits = kernel_layout_fits(n, input_size_per_partition) and all(
             kernel_layout_fits(w, input_size_per_partition) for w in output_partition_sizes)
         layer.quads_weight_layout = KERNEL_WEIGHT_LAYOUT if fits else "modelopt"  # by shape, for the layer's life
@@ -242,8 +219,10 @@ class QuadsLinearMethod(LinearMethodBase):
         else:
             loaded = check_tensor_scale(name, loaded, "scale")
         layer.quads_slices.mark(pname, shards)
-        if pname == "weight":
-            layer.quads_fresh.mark(pname, shards)
+        if pname == "weight" and layer.quads_weight_layout != "modelopt":
+            b = _shard_bounds(layer)
+            for i in shards:
+                layer.quads_fresh.mark([0], b[i], b[i + 1])
         return loaded
 
     # --- after loading (runs again at the end of every RL weight update) ---------------
@@ -286,7 +265,7 @@ class QuadsLinearMethod(LinearMethodBase):
             copy_or_rebind_param(layer, "comp_weight", torch.cat([
                 rac_weight_columns(w[lo:hi], ws[lo:hi], comp[i])
                 for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]))
-        _convert_fresh(layer)  # last: what this update wrote, into the kernel layout
+        layer.quads_fresh.settle(layer.weight.data)  # last: what this update wrote, into the kernel layout
         shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
         # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
         # may not switch a fused layer to per-shard GEMMs (per-shard stays valid for any data).

@@ -16,7 +16,7 @@ Derived after loading (same tensors refilled on every reload, so CUDA graphs sta
                                        (`quads_megatron.kernels.rac_columns`), w4a4_rac only.
 Kernel layout (issue 25): where the local shapes fit (`plan.kernel_layout.kernel_layout_fits` of
 w13 and w2), `layer.quads_weight_layout` is the v3 kernels' byte order: the loaders write ModelOpt
-bytes, `layer.quads_fresh` records the (expert, shard) slices written since the last
+bytes, `layer.quads_fresh` (`plan.kernel_layout.PendingRows`) records the rows written since the last
 `process_weights_after_loading`, which builds the RAC columns from ModelOpt codes and then converts
 exactly those slices in place (a partial reload converts only what it wrote; CUDA graphs keep the
 storage). Every update must end in `process_weights_after_loading` (SGLang's end_weight_update), as
@@ -51,8 +51,7 @@ from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from quads_megatron.errors import CheckpointError, ConfigError
 from quads_megatron.nvfp4 import BLOCK_SIZE
-from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
-                                               rows_to_kernel_layout, to_kernel_layout)
+from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, PendingRows, kernel_layout_fits
 from quads_megatron.plan.layout import (COMP_INDEX_DTYPE, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
                                         block_scale_cols, nvfp4_weight_specs, packed_cols)
 
@@ -89,41 +88,22 @@ def _weight_rows(layer: torch.nn.Module, pname: str, shard_id: str) -> tuple:
     return (0, n) if shard_id == "w2" else ((0, n // 2) if _SHARD_COLUMN[shard_id] == 0 else (n // 2, n))
 
 
-def _fresh_rows(layer: torch.nn.Module, pname: str) -> dict:
-    """{local expert: set of rows} written in ModelOpt order since the last conversion."""
-    rows = {}
-    for e, sid in layer.quads_fresh.written.get(pname, ()):
-        rows.setdefault(e, set()).update(range(*_weight_rows(layer, pname, sid)))
-    return rows
-
-
-def _all_fresh(layer: torch.nn.Module, pname: str) -> bool:
-    w = getattr(layer, pname)
-    rows = _fresh_rows(layer, pname)
-    return len(rows) == w.shape[0] and all(len(r) == w.shape[1] for r in rows.values())
-
-
-def _convert_fresh(layer: torch.nn.Module, pname: str) -> None:
-    """The slices written since the last conversion -> the kernel layout, in place, each exactly once."""
-    if layer.quads_weight_layout == "modelopt":
-        layer.quads_fresh.written.pop(pname, None)
-        return
-    w = getattr(layer, pname).data
-    if _all_fresh(layer, pname):
-        to_kernel_layout(w, out=w, name=pname)
-    else:
-        rows_to_kernel_layout(w, _fresh_rows(layer, pname), name=pname)
-    layer.quads_fresh.written.pop(pname, None)
+def mark_written(layer: torch.nn.Module, pname: str, slots) -> None:
+    """Record (local expert, shard) slices of `pname` a load wrote: for the check of what the first load
+    missed (`quads_slices`) and, for the codes in the kernel layout, the rows to convert once (`quads_fresh`)."""
+    layer.quads_slices.mark(pname, slots)
+    if pname in layer.quads_fresh:
+        for e, sid in slots:
+            layer.quads_fresh[pname].mark([e], *_weight_rows(layer, pname, sid))
 
 
 def modelopt_codes(layer: torch.nn.Module, pname: str) -> torch.Tensor:
-    """`w13_weight` / `w2_weight` codes in ModelOpt order (the parameter itself in the v2 layout, else a
-    copy): what the RAC columns, checks and any read-back for a re-send use."""
+    """`w13_weight` / `w2_weight` codes in ModelOpt order (the parameter itself in the v2 layout, else as
+    `PendingRows.modelopt_codes` reads them): what the RAC columns, checks and any re-send read."""
     w = getattr(layer, pname).detach()
-    if layer.quads_weight_layout == "modelopt" or _all_fresh(layer, pname):
+    if layer.quads_weight_layout == "modelopt":
         return w
-    _convert_fresh(layer, pname)  # a load in flight: one layout before reading back
-    return from_kernel_layout(w, name=pname)
+    return layer.quads_fresh[pname].modelopt_codes(w, pname)
 
 
 def _nan(*shape: int) -> torch.Tensor:
@@ -173,9 +153,11 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         layer.params_dtype = params_dtype
         layer.quads_dims = (h, f * layer.moe_tp_size)  # the checkpoint's hidden and full intermediate size
         layer.quads_slices = SliceLog()
-        layer.quads_fresh = SliceLog()  # w13/w2 slices written in ModelOpt order since the last conversion
         layer.quads_weight_layout = (KERNEL_WEIGHT_LAYOUT if kernel_layout_fits(2 * f, h) and kernel_layout_fits(h, f)
                                      else "modelopt")  # by the local shapes, fixed for the layer's life
+        # the codes' rows written in ModelOpt order since the last conversion (kernel layout only)
+        layer.quads_fresh = ({p: PendingRows() for p in ("w13_weight", "w2_weight")}
+                             if layer.quads_weight_layout != "modelopt" else {})
 
         def add(pname: str, data: torch.Tensor, weight_loader=loader, **attrs) -> None:
             p = Parameter(data, requires_grad=False)
@@ -233,10 +215,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         else:
             loaded = check_tensor_scale(name, loaded, "scale")
         if pname in _TRACKED:
-            slots = [(e, shard_id) for e in _local_slots(layer, expert_id)]
-            layer.quads_slices.mark(pname, slots)
-            if pname in ("w13_weight", "w2_weight"):
-                layer.quads_fresh.mark(pname, slots)
+            mark_written(layer, pname, [(e, shard_id) for e in _local_slots(layer, expert_id)])
         return loaded
 
     def _load_weight(self, layer, checked, param, loaded_weight, weight_name: str = "", shard_id: str = "",
@@ -275,11 +254,8 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         loaded = stacked_load.checked_stacked(name, pname, param, loaded, h if pname.startswith("w13") else f)
         param.data.copy_(loaded)
         if pname in _TRACKED:
-            slots = [(e, sid) for e in range(layer.num_local_experts)
-                     for sid in (FC1_SHARDS if pname.startswith("w13") else ("w2",))]
-            layer.quads_slices.mark(pname, slots)
-            if pname in ("w13_weight", "w2_weight"):
-                layer.quads_fresh.mark(pname, slots)
+            mark_written(layer, pname, [(e, sid) for e in range(layer.num_local_experts)
+                                        for sid in (FC1_SHARDS if pname.startswith("w13") else ("w2",))])
 
     def _global_id(self, layer: torch.nn.Module, local: int) -> int:
         return local + layer.moe_ep_rank * layer.num_local_experts
@@ -345,9 +321,6 @@ class QuadsMoEMethod(FusedMoEMethodBase):
                                       f"for every expert, so gate_proj and up_proj of all experts must "
                                       f"carry one shared channel set (input_comp_index)")
             copy_or_rebind_param(layer, "w13_comp_index", flat[0].contiguous())
-            for pname in ("w13_weight", "w2_weight"):  # a partial reload: one layout before reading back
-                if not _all_fresh(layer, pname):
-                    _convert_fresh(layer, pname)
             # the weights are final here (first load and every weight update): store Wq[:, S]
             copy_or_rebind_param(layer, "w13_comp_weight", rac_weight_columns(
                 modelopt_codes(layer, "w13_weight"), layer.w13_weight_scale.detach(),
@@ -355,8 +328,8 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             copy_or_rebind_param(layer, "w2_comp_weight", rac_weight_columns(
                 modelopt_codes(layer, "w2_weight"), layer.w2_weight_scale.detach(),
                 layer.w2_input_comp_index.detach()))
-        for pname in ("w13_weight", "w2_weight"):  # last: what this update wrote, into the kernel layout
-            _convert_fresh(layer, pname)
+        for pname, pending in layer.quads_fresh.items():  # last: what this update wrote, into the kernel layout
+            pending.settle(getattr(layer, pname).data, pname)
 
     # --- forward -----------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:

@@ -71,3 +71,53 @@ def rows_to_kernel_layout(codes: torch.Tensor, written: Mapping[int, Iterable[in
             a, b = max(r0 - e * n, 0), min(r1 - e * n, n)
             part = codes[e, a:b]
             to_kernel_layout(part, out=part, name=f"{name}[{e}, {a}:{b}]")
+
+
+class PendingRows:
+    """The rows of one code buffer (``[E, N, K/2]``, or ``[N, K/2]`` as one expert) written in ModelOpt order
+    since its last conversion: the one bookkeeping of every loader that holds kernel-layout weights.
+    ``settle`` converts exactly those rows, once, in place; ``modelopt_codes`` reads the buffer back in
+    ModelOpt order (settling a partial load first)."""
+
+    def __init__(self) -> None:
+        self.spans: set = set()  # (expert, row0, row1)
+
+    def mark(self, experts: Iterable[int], row0: int, row1: int) -> None:
+        self.spans.update((int(e), int(row0), int(row1)) for e in experts)
+
+    def covers(self, buf: torch.Tensor) -> bool:
+        """True when every row of ``buf`` was written since the last conversion (all of it is ModelOpt order)."""
+        b = buf if buf.dim() == 3 else buf.unsqueeze(0)
+        by_expert: dict = {}
+        for e, r0, r1 in self.spans:
+            by_expert.setdefault(e, []).append((r0, r1))
+        for e in range(b.shape[0]):
+            end = 0
+            for r0, r1 in sorted(by_expert.get(e, ())):
+                if r0 > end:
+                    return False
+                end = max(end, r1)
+            if end < b.shape[1]:
+                return False
+        return True
+
+    def settle(self, buf: torch.Tensor, name: str = "weight") -> None:
+        """The rows written since the last conversion -> the kernel layout, in place (each once)."""
+        if not self.spans:
+            return
+        if self.covers(buf):
+            to_kernel_layout(buf, out=buf, name=name)
+        else:
+            rows: dict = {}
+            for e, r0, r1 in self.spans:
+                rows.setdefault(e, set()).update(range(r0, r1))
+            rows_to_kernel_layout(buf if buf.dim() == 3 else buf.unsqueeze(0), rows, name=name)
+        self.spans.clear()
+
+    def modelopt_codes(self, buf: torch.Tensor, name: str = "weight") -> torch.Tensor:
+        """``buf``'s codes in ModelOpt order: ``buf`` itself when a load rewrote all of it and is not settled
+        yet, else a read-back copy (a partial load is settled first, so the buffer is in one layout)."""
+        if self.covers(buf):
+            return buf
+        self.settle(buf, name)
+        return from_kernel_layout(buf, name=name)

@@ -21,8 +21,8 @@ from torch import nn
 
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
-from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
-                                               rows_to_kernel_layout, to_kernel_layout)
+from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, PendingRows, from_kernel_layout,
+                                               kernel_layout_fits, to_kernel_layout)
 from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
                                         WEIGHT_SCALE_2, block_scale_cols, experts_group_names, nvfp4_weight_specs,
                                         packed_cols)
@@ -176,8 +176,7 @@ class NVFP4Experts(_QuantExperts):
         super().__init__(num_experts, hidden, ffn, precision)
         E, H, F = num_experts, hidden, ffn
         self.weight_layout = _weight_layout(kernel_layout, (2 * F, H), (H, F))
-        # rows written in ModelOpt order since the last settle_load: {"w13" | "w2": {(expert, row0, row1)}}
-        self._pending = {"w13": set(), "w2": set()}
+        self._pending = {"w13": PendingRows(), "w2": PendingRows()}  # rows written since the last settle_load
         for which, (n, k) in (("w13", (2 * F, H)), ("w2", (H, F))):  # gate rows, then up; one scale_2 per expert
             specs = nvfp4_weight_specs(n, k, lead=(E,))
             for key, suffix in ((WEIGHT, ""), (WEIGHT_SCALE, "_scale"), (WEIGHT_SCALE_2, "_scale_2")):
@@ -231,50 +230,22 @@ class NVFP4Experts(_QuantExperts):
     def _mark(self, which: str, experts, row0: int = 0, row1: int | None = None) -> None:
         """Record rows just written in ModelOpt order (``settle_load`` converts them once)."""
         if self.weight_layout != "modelopt":
-            row1 = getattr(self, which).shape[1] if row1 is None else row1
-            self._pending[which].update((int(e), row0, row1) for e in experts)
-
-    def _all_pending(self, which: str) -> bool:
-        """True when every row of ``which`` was written since the last conversion (all ModelOpt order)."""
-        n = getattr(self, which).shape[1]
-        pending = self._pending[which]
-        return len(pending) >= self.num_experts and all(
-            (e, 0, n) in pending or {(e, 0, n // 2), (e, n // 2, n)} <= pending for e in range(self.num_experts))
-
-    @torch.no_grad()
-    def _convert_pending(self, which: str) -> None:
-        """The rows written since the last conversion -> the kernel layout, in place (never converts twice)."""
-        pending, buf = self._pending[which], getattr(self, which)
-        if not pending:
-            return
-        if self._all_pending(which):
-            to_kernel_layout(buf, out=buf, name=which)
-        else:
-            rows = {}  # expert -> its written rows (converted once however often they were written)
-            for e, r0, r1 in pending:
-                rows.setdefault(e, set()).update(range(r0, r1))
-            rows_to_kernel_layout(buf, rows, name=which)
-        pending.clear()
+            self._pending[which].mark(experts, row0, getattr(self, which).shape[1] if row1 is None else row1)
 
     def modelopt_codes(self, which: str) -> torch.Tensor:
-        """'w13' / 'w2' packed codes in ModelOpt order (the buffer itself in the v2 layout, else a copy):
-        what checks, RAC columns, calibration and re-sends read."""
+        """'w13' / 'w2' packed codes in ModelOpt order (the buffer itself in the v2 layout, else as
+        ``PendingRows.modelopt_codes`` reads them): what checks, RAC columns, calibration and re-sends read."""
         buf = getattr(self, which)
-        if self.weight_layout == "modelopt" or self._all_pending(which):
-            return buf
-        self._convert_pending(which)  # a partial load still in flight: settle it so the buffer is one layout
-        return from_kernel_layout(buf, name=which)
+        return buf if self.weight_layout == "modelopt" else self._pending[which].modelopt_codes(buf, which)
 
+    @torch.no_grad()
     def settle_load(self) -> bool:
         """After the last write of a load: the RAC columns from the ModelOpt codes, then exactly the rows
         this load wrote into the kernel layout (same storage: captured graphs stay valid). True when a RAC
         column tensor had to be rebound."""
-        for which in ("w13", "w2"):
-            if not self._all_pending(which):
-                self._convert_pending(which)  # a partial load: one layout before the columns read it back
         rebound = self.refresh_rac_columns()
         for which in ("w13", "w2"):
-            self._convert_pending(which)
+            self._pending[which].settle(getattr(self, which), which)
         return rebound
 
     def dequantized(self, which: str) -> torch.Tensor:

@@ -88,3 +88,32 @@ def test_the_ops_read_converted_weights():
                          g2, tw, ti.int(), act_mode="w4a16", backend="torch",
                          weight_layout=KERNEL_WEIGHT_LAYOUT)
     assert torch.equal(out, ref)
+
+
+def test_pending_rows_convert_what_was_written_once():
+    """PendingRows (every loader's bookkeeping): a whole-buffer write reads back as the buffer itself and
+    converts whole; a partial write converts only its tiles (each once, however often written), the
+    rest keeps its kernel-layout bytes; reading back in between returns the ModelOpt codes."""
+    from quads_megatron.plan.kernel_layout import PendingRows
+
+    old, new = _codes(3, 128, 64, seed=2), _codes(3, 128, 64, seed=3)
+    buf, pending = old.clone(), PendingRows()
+    pending.mark(range(3), 0, 64)
+    pending.mark(range(3), 64, 128)              # two halves make the whole buffer
+    assert pending.covers(buf) and pending.modelopt_codes(buf) is buf
+    pending.settle(buf)
+    assert torch.equal(from_kernel_layout(buf), old) and not pending.spans
+    buf[1, 64:128] = new[1, 64:128]              # a partial reload: expert 1's second tile, written twice
+    pending.mark([1], 64, 128)
+    pending.mark([1], 64, 128)
+    assert not pending.covers(buf)
+    want = old.clone()
+    want[1, 64:128] = new[1, 64:128]
+    assert torch.equal(pending.modelopt_codes(buf), want)   # settled first, then read back
+    assert torch.equal(from_kernel_layout(buf), want) and not pending.spans
+    pending.settle(buf)                          # nothing pending: no second conversion
+    assert torch.equal(from_kernel_layout(buf), want)
+    flat = old[0].clone()                        # a dense [N, K/2] weight is one expert
+    pending.mark([0], 0, 128)
+    pending.settle(flat)
+    assert torch.equal(flat, to_kernel_layout(old[0]))
