@@ -45,6 +45,11 @@ def as_block_scale(name: str, t: torch.Tensor, want: Tuple[Optional[int], ...]) 
         raise CheckpointError(f"{name}: expected float8_e4m3fn block scales (or their bytes as uint8) "
                               f"{_shape(want)}, got {_describe(t)}")
     _check_shape(name, t, want, "one E4M3 scale per 16 inputs: K // 16 columns")
+    return check_block_scale_values(name, t)
+
+
+def check_block_scale_values(name: str, t: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn block scales of any shape: no NaN byte, none negative."""
     bad = bad_block_scales(t)
     if bad is not None:
         kind, n, at = bad
@@ -75,17 +80,24 @@ def check_comp_index(name: str, t: torch.Tensor, k: int, k_in: int) -> torch.Ten
     if t.numel() != k:
         raise CheckpointError(f"{name}: expected {k} RAC channel indices (quantization_config.rac_channels), "
                               f"got {t.numel()}")
+    return check_comp_index_values(name, t, k_in)
+
+
+def check_comp_index_values(name: str, t: torch.Tensor, k_in: int) -> torch.Tensor:
+    """RAC channel sets along the last dim (one set, or a whole layer's [E, ..., k]): each in [0, k_in),
+    unique and sorted ascending; returned as int32."""
     lo, hi = int(t.min()), int(t.max())
     if lo < 0 or hi >= k_in:
         raise CheckpointError(f"{name}: RAC channel index out of range [0, {k_in}): min {lo}, max {hi}")
-    step = t[1:] - t[:-1]
+    step = t[..., 1:] - t[..., :-1]
     if bool((step == 0).any()):
-        dup = int(t[1:][step == 0][0])
+        dup = int(t[..., 1:][step == 0][0])
         raise CheckpointError(f"{name}: RAC channel indices must be unique, {dup} is repeated")
     if bool((step < 0).any()):
-        at = int(torch.nonzero(step < 0)[0])
+        at = tuple(torch.nonzero(step < 0)[0].tolist())
+        after = at[:-1] + (at[-1] + 1,)
         raise CheckpointError(f"{name}: RAC channel indices must be sorted ascending, got {int(t[at])} "
-                              f"before {int(t[at + 1])} at position {at}")
+                              f"before {int(t[after])} at position {at[-1] if t.dim() == 1 else at}")
     return t.to(torch.int32)
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from quads_megatron.errors import CheckpointError
-from quads_megatron.nvfp4.tensor import bad_block_scales
 from sglang_ext import bf16_sync
-from sglang_ext.checkpoint_format import FLOAT_SCALE_DTYPES, INDEX_DTYPES
+from sglang_ext.checkpoint_format import (FLOAT_SCALE_DTYPES, INDEX_DTYPES, check_block_scale_values,
+                                          check_comp_index_values)
 
 
 def holds_every_expert(layer: torch.nn.Module) -> bool:
@@ -46,17 +46,9 @@ def checked_stacked(name: str, pname: str, param: torch.Tensor, t: torch.Tensor,
     if not ok or tuple(t.shape) != shape:
         raise _fail(name, f"{want} tensor of shape {shape}", t)
     if pname.endswith("_weight_scale"):
-        t = t.view(torch.float8_e4m3fn)
-        bad = bad_block_scales(t)
-        if bad is not None:
-            kind, n, at = bad
-            what = "E4M3 NaN bytes (0x7F/0xFF)" if kind == "nan" else "negative"
-            raise CheckpointError(f"{name}: {n} block scales are {what}, first at {at} (expert {at[0]})")
+        t = check_block_scale_values(name, t.view(torch.float8_e4m3fn))
     elif pname.endswith("_comp_index"):
-        step = t[..., 1:] - t[..., :-1]
-        if bool(((t < 0) | (t >= k_in)).any()) or bool((step <= 0).any()):
-            raise CheckpointError(f"{name}: every RAC channel set must be sorted ascending, unique and in "
-                                  f"[0, {k_in}); got min {int(t.min())}, max {int(t.max())}")
+        t = check_comp_index_values(name, t, k_in)
     elif not pname.endswith("_weight"):
         bad = ~(torch.isfinite(t) & (t > 0))
         if bool(bad.any()):

@@ -22,7 +22,7 @@ def _topk_sum_kernel(rows_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.const
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
-    # left to right in row order: the fused dense linear sums its split-K partials the same way
+    # left to right in slot order: one fixed order for the top-k rows and the split-K partials
     s = tl.load(rows_ptr + t * TOPK * H + cols, mask=cmask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOPK):
         s = s + tl.load(rows_ptr + (t * TOPK + j) * H + cols, mask=cmask, other=0.0).to(tl.float32)
