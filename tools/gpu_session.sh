@@ -98,7 +98,8 @@ for s in "$@"; do
       for f in "$STUDY"/*seed*.log; do echo "$(basename "$f"): $(grep -E '^step ' "$f" | tail -1)"; done
       tail -2 "$STUDY/tool.log"
       cp "$STUDY"/rl_stability.json "$STUDY"/rl_stability.png "$OUT"/ 2>/dev/null
-      tar czf "$OUT/rl_stability_logs.tgz" -C "$STUDY" $(cd "$STUDY" && ls *.log) ;;
+      # the run logs, records and TensorBoard scalars: enough to rebuild the plot if a run did not finish
+      tar czf "$OUT/rl_stability_logs.tgz" -C "$STUDY" $(cd "$STUDY" && ls -d *.log *.json */tb 2>/dev/null) ;;
     sglang)
       # SGLang's server with --quantization quads: agreement, weight updates, throughput (SGLANG_ARGS picks)
       stage sglang
