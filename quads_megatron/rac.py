@@ -136,7 +136,8 @@ def weight_column_norm_sq(w: Union[torch.Tensor, NVFP4Tensor], per_expert: bool 
 
 
 class ActivationStats:
-    """Accumulates E[(x - xq)_c^2] per input channel (optionally per group, e.g. per expert)."""
+    """Accumulates E[(x - xq)_c^2] per input channel (optionally per group, e.g. per expert), on the device of
+    the activations (float64 sums; no host sync per update)."""
 
     def __init__(self, num_channels: int, num_groups: Optional[int] = None, input_scale=None):
         if num_channels % BLOCK_SIZE:
@@ -147,26 +148,35 @@ class ActivationStats:
         self.count = torch.zeros(shape[:-1], dtype=torch.float64)
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, groups: Optional[torch.Tensor] = None) -> None:
-        """Add activations x [..., K] (groups: the group of each row, when per group)."""
+    def update(self, x: torch.Tensor, groups: Union[None, int, torch.Tensor] = None) -> None:
+        """Add activations x [..., K] (groups, when per group: the group of every row, or one int for all rows)."""
         if x.shape[-1] != self.num_channels:
             raise ValueError(f"x: expected {self.num_channels} channels, got {x.shape[-1]}")
         rows = x.reshape(-1, self.num_channels)
         if rows.shape[0] == 0:
             return
         xq = dequantize(quantize_activation(rows, self.input_scale), torch.float32)
-        err = (rows.to(torch.float32) - xq).square().to(torch.float64).cpu()
+        err = (rows.to(torch.float32) - xq).square().to(torch.float64)
+        if self.sq_err_sum.device != err.device:
+            self.sq_err_sum, self.count = self.sq_err_sum.to(err.device), self.count.to(err.device)
         if self.num_groups is None:
             self.sq_err_sum += err.sum(0)
             self.count += rows.shape[0]
             return
         if groups is None:
             raise ValueError("ActivationStats(num_groups=...): update needs groups per row")
-        g = groups.reshape(-1).long().cpu()
+        if isinstance(groups, int):
+            if not 0 <= groups < self.num_groups:
+                raise ValueError(f"groups: expected an id in [0, {self.num_groups}), got {groups}")
+            self.sq_err_sum[groups] += err.sum(0)
+            self.count[groups] += rows.shape[0]
+            return
+        g = groups.reshape(-1).long()
         if g.numel() != rows.shape[0] or int(g.min()) < 0 or int(g.max()) >= self.num_groups:
             raise ValueError(f"groups: expected {rows.shape[0]} ids in [0, {self.num_groups})")
+        g = g.to(err.device)
         self.sq_err_sum.index_add_(0, g, err)
-        self.count.index_add_(0, g, torch.ones(g.numel(), dtype=torch.float64))
+        self.count.index_add_(0, g, torch.ones(g.numel(), dtype=torch.float64, device=err.device))
 
     def mean_sq_err(self) -> torch.Tensor:
         """E[(x - xq)_c^2] (zeros for groups that saw no rows), fp32."""

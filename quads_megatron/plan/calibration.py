@@ -8,10 +8,11 @@ forward that feeds it; this module holds the rules:
 * **The model as served.**  Activations come from a forward of the rollout model itself: the
   plan's NVFP4 weights dequantized (the values the rollout GEMMs multiply), everything in fp32,
   activations left unquantized (so the statistics measure the error of quantizing the activation
-  the served model would see, without compounding earlier layers' activation noise), each prompt
-  run alone (no padding tokens).  The exporter builds that model from its HF weights, the local
-  engine calibrates its own modules (an fp32 twin when it serves in BF16), so both see the same
-  numbers for the same weights and prompts.
+  the served model would see, without compounding earlier layers' activation noise).  Prompts
+  go through in left-padded batches; padding tokens reach no statistic (``valid_tokens``: not
+  observed, not routed to an expert).  The exporter builds that model from its HF weights, the
+  local engine calibrates its own modules (an fp32 twin when it serves in BF16), so both see the
+  same numbers for the same weights and prompts.
 * **Routed tokens only.**  An expert's fc2 statistics use the tokens routed to it, as served;
   an expert no calibration token reached falls back to the layer's pooled fc2 statistics.
 * **One static scale per input.**  ``amax`` is the max |x| over every token the group reads
@@ -71,7 +72,8 @@ class Calibrator:
     The model's calibration forward calls ``observe(group, x, member)`` with the fp32 input rows of
     each group (``member``: the expert of the rows, for per-expert groups); ``finish(weights)``
     returns the ``Calibration``.  Two passes when a static-scaled group needs RAC statistics (they
-    are measured under the scale the first pass finds), else one.
+    are measured under the scale the first pass finds), else one.  Everything accumulates on the
+    activations' device, with no host sync, until ``finish``.
     """
 
     def __init__(self, layout: RolloutLayout):
@@ -81,6 +83,18 @@ class Calibrator:
         self.pass_index = 0
         self.amax = {n: torch.zeros((), dtype=torch.float32) for n in self.groups}
         self.stats: Dict[str, rac.ActivationStats] = {}
+        # bool [tokens] of the forward running now, flattened (False: a padding token); None: all real
+        self.valid_tokens: Optional[torch.Tensor] = None
+
+    def real_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows [T', K] of ``x`` [..., K] (the current forward's tokens, flattened) that are not padding."""
+        rows = x.reshape(-1, x.shape[-1])
+        if self.valid_tokens is None:
+            return rows
+        if self.valid_tokens.shape != rows.shape[:1]:
+            raise ValueError(f"calibration: {rows.shape[0]} input rows for a batch of "
+                             f"{self.valid_tokens.shape[0]} tokens")
+        return rows[self.valid_tokens]
 
     def start_pass(self, index: int) -> None:
         """Begin pass ``index``; the last pass collects the RAC statistics."""
@@ -96,26 +110,27 @@ class Calibrator:
 
     @torch.no_grad()
     def observe(self, group: str, x: torch.Tensor, member: Optional[int] = None) -> None:
-        """Record input rows ``x`` [T, K] of ``group`` (``member``: the member index, per-member groups)."""
+        """Record input rows ``x`` [T, K] of ``group`` (real tokens only: ``real_rows``; ``member``: the
+        member index, per-member groups)."""
         rows = x.detach().to(torch.float32).reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return
         if self.pass_index == 0:
-            self.amax[group] = torch.maximum(self.amax[group], nvfp4.amax_of(rows).cpu().to(torch.float32))
+            amax = nvfp4.amax_of(rows).to(torch.float32)
+            self.amax[group] = torch.maximum(self.amax[group].to(amax.device), amax)
         stats = self.stats.get(group)
         if stats is not None:
-            ids = None if stats.num_groups is None else torch.full((rows.shape[0],), member, dtype=torch.long)
-            stats.update(rows, ids)
+            stats.update(rows, None if stats.num_groups is None else member)
 
     def finish(self, weights: Callable[[ActivationGroup], torch.Tensor]) -> Calibration:
         """The calibration; ``weights(group)``: the group's dequantized fp32 weights as served,
         [..., N, K] summed over leading dims for a shared set, [members, N, K] for per-member sets."""
         out = {}
         for name, g in self.groups.items():
-            amax = self.amax[name].clone()
+            amax = self.amax[name].detach().to("cpu", copy=True)
             comp = None
             if g.uses_rac:
-                comp = self._channels(g, weights(g))
+                comp = self._channels(g, weights(g)).cpu()
             out[name] = GroupCalibration(amax=amax, input_scale=nvfp4.global_decode_scale(amax).reshape(()),
                                          comp_index=comp)
         return Calibration(self.layout, out)

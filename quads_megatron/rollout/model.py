@@ -23,6 +23,7 @@ from quads_megatron.rollout.modules import (_ErrorMeter, apply_calibration, atta
                                             load_quantized)
 
 CALIBRATION_DTYPE = torch.float32
+CALIBRATION_BATCH_TOKENS = 8192  # tokens per calibration forward, padding included (fp32 activations)
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -45,6 +46,31 @@ def _materialize(model, device) -> None:
     rotary = model.model.rotary_emb
     with torch.device(device):
         model.model.rotary_emb = type(rotary)(model.config)  # non-persistent inv_freq: computed, never loaded
+
+
+def calibration_batches(prompts, device, batch_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``prompts`` in order as left-padded (input ids [B, P], attention mask [B, P]) batches of at most
+    ``batch_tokens`` tokens B * P (a longer prompt goes alone)."""
+    seqs = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+    if any(s.numel() == 0 for s in seqs):
+        raise ValueError("calibration: an empty prompt (expected at least one token each)")
+    groups, cur = [], []
+    for s in seqs:
+        if cur and (len(cur) + 1) * max(s.numel(), *(c.numel() for c in cur)) > batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        groups.append(cur)
+    out = []
+    for group in groups:
+        P = max(s.numel() for s in group)
+        ids = torch.zeros(len(group), P, dtype=torch.long)
+        mask = torch.zeros(len(group), P, dtype=torch.long)
+        for i, s in enumerate(group):
+            ids[i, P - s.numel():], mask[i, P - s.numel():] = s, 1
+        out.append((ids.to(device), mask.to(device)))
+    return out
 
 
 class RolloutModel:
@@ -195,27 +221,30 @@ class RolloutModel:
 
     # ------------------------------------------------------------------ calibration
     @torch.no_grad()
-    def calibrate(self, prompts, progress: bool = False) -> bool:
+    def calibrate(self, prompts, progress: bool = False, batch_tokens: int = CALIBRATION_BATCH_TOKENS) -> bool:
         """Calibrate the activation side on ``prompts`` (token id lists or 1-D tensors), the plan's one rule
         (``plan.calibration``), and write input scales (static) and RAC channels into the modules.
 
-        The result stays in ``self.calibration``. Returns True when a channel, scale or RAC column tensor
-        had to be rebound (graphs captured before must not replay).
+        The prompts run in left-padded batches of at most ``batch_tokens`` tokens (padding included);
+        padding tokens reach no statistic. The result stays in ``self.calibration``. Returns True when a
+        channel, scale or RAC column tensor had to be rebound (graphs captured before must not replay).
         """
         calibrator = Calibrator(self.layout)
         if not calibrator.groups:
             self.calibration = calibrator.finish(lambda g: None)
             return False
         runner = self if self.dtype == CALIBRATION_DTYPE else self._calibration_twin()
+        batches = calibration_batches(prompts, runner.device, batch_tokens)
         attach_calibrator(runner.modules, calibrator, self.layout)
         try:
             for index in range(calibrator.num_passes):
                 calibrator.start_pass(index)
-                for ids in tqdm(prompts, desc=f"calibrate ({index + 1}/{calibrator.num_passes})",
-                                disable=not progress, unit="prompt"):
-                    ids = torch.as_tensor(ids, dtype=torch.long, device=runner.device).reshape(1, -1)
-                    runner.model(input_ids=ids)
+                for ids, mask in tqdm(batches, desc=f"calibrate ({index + 1}/{calibrator.num_passes})",
+                                      disable=not progress, unit="batch"):
+                    calibrator.valid_tokens = mask.reshape(-1).bool()
+                    runner.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
         finally:
+            calibrator.valid_tokens = None
             detach_calibrator(runner.modules)
         self.calibration = calibrator.finish(lambda g: group_weights(runner.modules, g))
         rebound = apply_calibration(self.modules, self.calibration, self.layout, observed=runner.modules)

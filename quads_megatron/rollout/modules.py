@@ -88,24 +88,34 @@ class _QuantExperts(nn.Module):
 
     @torch.no_grad()
     def _calibration_forward(self, x, ids, weights):
-        """fp32 forward on dequantized weights and unquantized activations; fc1 sees every token,
-        each expert's fc2 the tokens routed to it (``plan.calibration``)."""
+        """fp32 forward on dequantized weights and unquantized activations; fc1 sees every real token, each
+        expert's fc2 the real tokens routed to it (``plan.calibration``; padding goes to no expert). One host
+        sync per layer (the experts' token counts)."""
         cal, fc1, fc2 = self.calibrator
         xf = x.float().reshape(-1, x.shape[-1])
-        cal.observe(fc1, xf)
+        real = cal.real_rows(xf)
+        cal.observe(fc1, real)
         w13f, w2f = self.dequantized("w13"), self.dequantized("w2")
-        F = w2f.shape[-1]
+        E, F, K = w13f.shape[0], w2f.shape[-1], ids.shape[-1]
+        flat = ids.reshape(-1).long()
+        if cal.valid_tokens is not None:
+            flat = flat.masked_fill(~cal.valid_tokens.repeat_interleave(K), E)  # padding: past the last expert
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, each in row-major order
+        counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()
         out = torch.zeros_like(xf)
-        for e in range(w13f.shape[0]):
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
                 continue
+            pairs = order[start:start + n]
+            start += n
+            tok, slot = pairs // K, pairs % K
             gu = xf[tok] @ w13f[e].t()
             h = nn.functional.silu(gu[:, :F]) * gu[:, F:]
             cal.observe(fc2, h, member=e)
             out.index_add_(0, tok, (h @ w2f[e].t()) * weights[tok, slot, None].float())
         if cal.pass_index == cal.num_passes - 1:
-            self._x.append(xf)
+            self._x.append(real)
         return out.to(x.dtype).view_as(x)
 
 
@@ -338,7 +348,7 @@ def _linear_calibration_forward(m, x):
     """fp32 ``x Wq^T`` on the dequantized weight; the group's first member hands its input to the calibrator."""
     cal, group = m.calibrator
     if group is not None:
-        cal.observe(group, x.float())
+        cal.observe(group, cal.real_rows(x.float()))
     return (x.float() @ m.dequantized().t()).to(x.dtype)
 
 
