@@ -61,8 +61,8 @@ def _named(layer, fc1, fc2, F):
 
 def _conversion_table(engine, run, floor, iters, out):
     """The v3 kernel-layout conversion of one layer's codes alone, in place: the one-pass Triton form
-    (`kernels.fragment_convert`, the candidate CUDA path), the layout's torch definition (what
-    `settle_load` runs today), and a device copy of the same bytes."""
+    (`kernels.fragment_convert`, the CUDA path of `to/from_fragment_order`), the layout's torch
+    definition (the CPU path), and a device copy of the same bytes."""
     from quads_megatron.kernels.fragment_convert import convert_fragment_order
     from quads_megatron.kernels.fragment_layout import _from_fragment_order_torch, _to_fragment_order_torch
 
@@ -91,7 +91,7 @@ def _conversion_table(engine, run, floor, iters, out):
          lambda: [to_fragment_order(c, out=c) for c in codes]),
         ("from_kernel_layout", "its inverse, one Triton pass in place",
          lambda: [from_fragment_order(c, out=c) for c in codes]),
-        ("to_kernel_layout_torch", "the layout's torch definition + copy into place (settle_load today)",
+        ("to_kernel_layout_torch", "the layout's torch definition + copy into place (the CPU path)",
          lambda: [c.copy_(_to_fragment_order_torch(c)) for c in codes]),
         ("from_kernel_layout_torch", "its inverse in torch + copy into place",
          lambda: [c.copy_(_from_fragment_order_torch(c)) for c in codes]),

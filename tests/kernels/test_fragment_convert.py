@@ -163,3 +163,26 @@ def test_cuda_row_ranges_in_place_gpu():
     for e, r0, r1 in [(1, 64, 320), (7, 0, 64), (7, 1024, 1536)]:
         want[e, r0:r1] = _to_fragment_order_torch(w[e, r0:r1])
     assert torch.equal(buf, want)
+
+
+@gpu
+def test_layout_functions_take_the_triton_pass_on_cuda_gpu(monkeypatch):
+    """to/from_fragment_order on CUDA tensors run `convert_fragment_order` (new tensor, in place, and
+    into a strided `out`), bit-exact against the torch definition."""
+    from quads_megatron.kernels import fragment_convert
+
+    calls = []
+    real = fragment_convert.convert_fragment_order
+    monkeypatch.setattr(fragment_convert, "convert_fragment_order",
+                        lambda *a, **k: calls.append(a[2] if len(a) > 2 else k.get("inverse", False)) or real(*a, **k))
+    g = torch.Generator(device="cuda").manual_seed(6)
+    w = torch.randint(0, 256, (4, 128, 384), dtype=torch.uint8, device="cuda", generator=g)
+    want = _to_fragment_order_torch(w)
+    assert torch.equal(to_fragment_order(w), want)
+    assert torch.equal(from_fragment_order(want), w)
+    wide = torch.zeros(4, 128, 768, dtype=torch.uint8, device="cuda")
+    out = wide[..., :384]                                   # strided: converted through a contiguous buffer
+    assert to_fragment_order(w, out=out) is out and torch.equal(out, want) and not wide[..., 384:].any()
+    buf = w.clone()
+    assert to_fragment_order(buf, out=buf) is buf and torch.equal(buf, want)
+    assert calls == [False, True, False, False]
