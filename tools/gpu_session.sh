@@ -18,6 +18,7 @@ export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CKPT=${CKPT:-runs/moe-240m-hf}
 STUDY=runs/rl_stability
+STUDY_RUNS=(--seeds 1 --naive-seeds 1,2)  # the study's runs: every row once, the two naive W4A4 rows twice
 PRETRAIN_ITERS=${PRETRAIN_ITERS:-250}
 RL_ITERS=${RL_ITERS:-50}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
@@ -86,7 +87,7 @@ for s in "$@"; do
       stage stability
       mkdir -p "$STUDY"
       OMP_NUM_THREADS=2 setsid nohup $PY tools/paper_rl_stability.py --hf-checkpoint "$CKPT" --task "${RL_TASK:-sort:10}" \
-          --seq-length 32 --max-new-tokens 12 --sft-iters 30 --seeds 1 --naive-seeds 1,2 --jobs 7 --work-dir "$STUDY" \
+          --seq-length 32 --max-new-tokens 12 --sft-iters 30 "${STUDY_RUNS[@]}" --jobs 7 --work-dir "$STUDY" \
           --save-interval 0 --out-json "$STUDY/rl_stability.json" --out-png "$STUDY/rl_stability.png" -- \
           --train-iters "${STABILITY_ITERS:-300}" --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 16 \
           --n-samples-per-prompt 8 --eval-interval 25 --lr 2e-5 > "$STUDY/tool.log" 2>&1 < /dev/null &
@@ -97,7 +98,12 @@ for s in "$@"; do
       while [ $SECONDS -lt $end ] && ! grep -q "^wrote" "$STUDY/tool.log"; do sleep 15; done
       for f in "$STUDY"/*seed*.log; do echo "$(basename "$f"): $(grep -E '^step ' "$f" | tail -1)"; done
       tail -2 "$STUDY/tool.log"
-      cp "$STUDY"/rl_stability.json "$STUDY"/rl_stability.png "$OUT"/ 2>/dev/null
+      if grep -q "^wrote" "$STUDY/tool.log"; then
+        cp "$STUDY"/rl_stability.json "$STUDY"/rl_stability.png "$OUT"/
+      else  # still running (or cut): the plot so far, unfinished runs up to their last logged step
+        $PY tools/paper_rl_stability.py "${STUDY_RUNS[@]}" --work-dir "$STUDY" --plot-only \
+            --out-json "$OUT/rl_stability_partial.json" --out-png "$OUT/rl_stability_partial.png" 2>&1 | tail -8
+      fi
       # the run logs, records and TensorBoard scalars: enough to rebuild the plot if a run did not finish
       tar czf "$OUT/rl_stability_logs.tgz" -C "$STUDY" $(cd "$STUDY" && ls -d *.log *.json */tb 2>/dev/null) ;;
     sglang)

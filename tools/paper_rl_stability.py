@@ -6,6 +6,8 @@ per-step reward, pass@1, mean and p99 of the |rollout - trainer| log-prob gap, K
 gradient norm as JSON, and one PNG panel per metric. Resumable: with --work-dir a finished run is read back
 and not rerun, and an unfinished one continues from its last GRPO checkpoint (--save-interval steps). With
 --jobs N the runs go N at a time as separate processes (one H200 holds several jobs of the GPU preset).
+--plot-only plots a study cut short: finished runs from their records, the others up to their last logged step
+(read back from their TensorBoard events).
 
     python tools/paper_rl_stability.py --hf-checkpoint runs/moe-240m-hf --seeds 1 --naive-seeds 1,2 --jobs 7 \\
         --work-dir runs/paper/rl_stability -- --train-iters 300
@@ -86,6 +88,43 @@ def run_one(args, row: str, seed: int, work: Path) -> dict:
     return done
 
 
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def read_cut_run(row: str, seed: int, work: Path) -> dict | None:
+    """The record of a run that has none yet (cut, or still going), read back from its TensorBoard events:
+    its history so far, marked ``unfinished``; None if it never logged a step."""
+    from quads_megatron.rl.metrics import read_history
+
+    tb = work / _slug(row, seed) / "tb"
+    if not tb.is_dir() or not any(tb.glob("events.out.tfevents.*")):
+        return None
+    history, pass_before = read_history(tb)
+    if not history:
+        return None
+    train, rollout, r3 = CONFIGS[row]
+    passes = [h["pass"] for h in history if h.get("pass") is not None]
+    return {"config": row, "seed": seed, "train": train, "rollout": rollout, "routing_replay": r3,
+            "unfinished": True, "history": history, "pass@1_before": pass_before,
+            "pass@1_after": passes[-1] if passes else None, "mean_gap": _mean(h["gap"] for h in history),
+            "mean_routing_disagreement": _mean(h.get("routing_disagreement") for h in history)}
+
+
+def collect(planned: list[tuple[str, int]], work: Path) -> list[dict]:
+    """Every planned run's record: finished runs' own, unfinished runs' read back from TensorBoard (--plot-only)."""
+    runs = []
+    for row, seed in planned:
+        record = work / f"{_slug(row, seed)}.json"
+        run = json.loads(record.read_text()) if record.exists() else read_cut_run(row, seed, work)
+        state = "finished" if record.exists() else (f"unfinished, {len(run['history'])} steps" if run else "no step")
+        print(f"[rl_stability] {row}, seed {seed}: {state}", flush=True)
+        if run is not None:
+            runs.append(run)
+    return runs
+
+
 _RUN_SELECTORS = ("--rows", "--seeds", "--naive-seeds", "--jobs", "--out-json", "--out-png")
 
 
@@ -147,6 +186,8 @@ def plot(runs: list[dict], path) -> None:
     axes = [a for row in grid for a in row]
     for r in runs:
         h, lab, color = r["history"], f"{r['config']} (seed {r['seed']})", COLORS[r["config"]]
+        if r.get("unfinished"):
+            lab += f", cut at step {h[-1]['step']}"
         style = "--" if r.get("routing_replay") else "-"
         for ax, (key, _, _) in zip(axes, METRICS):
             if key == "pass":
@@ -186,9 +227,19 @@ def main(argv=None) -> dict:
     p.add_argument("--save-interval", type=int, default=50,
                    help="GRPO checkpoint every N steps with --work-dir, so a cut run resumes (0: none)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, each its own process (needs --work-dir)")
+    p.add_argument("--plot-only", action="store_true",
+                   help="run nothing: plot --work-dir's finished runs and, read back from their TensorBoard events, "
+                        "the steps so far of unfinished ones (a study cut short, or one still running)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     planned = plan_runs(args)
+    if args.plot_only:
+        if not args.work_dir or not Path(args.work_dir).is_dir():
+            raise ConfigError(f"--plot-only: --work-dir {args.work_dir}: expected the study's existing work directory")
+        runs = collect(planned, Path(args.work_dir))
+        if not runs:
+            raise ConfigError(f"--plot-only: no run in {args.work_dir} has logged a GRPO step")
+        return _write(args, argv, runs)
     if args.jobs > 1 and not args.work_dir:
         raise ConfigError("--jobs > 1: give --work-dir (the runs hand their records over through it)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,6 +250,12 @@ def main(argv=None) -> dict:
         if args.jobs > 1:
             run_concurrently(argv, planned, work.resolve(), args.jobs)
         runs = [run_one(args, row, seed, work) for row, seed in planned]
+    return _write(args, argv, runs)
+
+
+def _write(args, argv: list[str], runs: list[dict]) -> dict:
+    from quads_megatron.apps.study import cli
+
     out = {"tool": "paper_rl_stability", "env": cli.environment(), "argv": argv,
            "config": {k: v for k, v in vars(args).items() if k not in ("out_json", "out_png")}, "runs": runs}
     cli.write_json(args.out_json, out)

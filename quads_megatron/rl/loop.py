@@ -20,7 +20,7 @@ from .arguments import parse_args
 from .batch import build_sft_batch, build_train_batch, decode_response, encode_prompt
 from .engines.base import SamplingParams, check_prompt_lengths
 from .loss import LossConfig, masked_mean, policy_loss
-from .metrics import StepLogger, mismatch_stats, routing_disagreement_counts
+from .metrics import StepLogger, history_record, mismatch_stats, routing_disagreement_counts
 from .tasks import build_task
 from .tokenizer import load_tokenizer
 
@@ -445,12 +445,7 @@ class GRPOTrainer:
             if report_quant:
                 for k, v in self.engine.quant_error_report().items():
                     scalars[f"quant/{k}"] = v
-            self.history.append({"step": it, "reward": scalars["reward/mean"],
-                                 "gap": scalars["mismatch/train_rollout_logprob_abs_diff"],
-                                 "routing_disagreement": scalars.get("mismatch/routing_disagreement"),
-                                 "gap_p99": scalars["mismatch/logprob_abs_diff_p99"],
-                                 "kl": scalars["mismatch/train_rollout_kl"], "grad_norm": scalars["optim/grad_norm"],
-                                 "pass": scalars.get("eval/pass@1")})
+            self.history.append(history_record(it, scalars))
             if it % a.log_interval == 0 or it == a.train_iters:
                 line = self.logger.log(it, scalars, {"mismatch/logprob_gap": gaps}, line=False)
                 if bar is not None:

@@ -50,6 +50,41 @@ def routing_disagreement_counts(diff: torch.Tensor, mask: torch.Tensor) -> torch
                         dtype=torch.float64)
 
 
+# A step's record in the job's history (summary JSON, checkpoints) -> the TensorBoard scalar it is logged as:
+# one map, so a cut run's history can be read back from its event file (`read_history`).
+HISTORY_SCALARS = {"reward": "reward/mean", "gap": "mismatch/train_rollout_logprob_abs_diff",
+                   "routing_disagreement": "mismatch/routing_disagreement",
+                   "gap_p99": "mismatch/logprob_abs_diff_p99", "kl": "mismatch/train_rollout_kl",
+                   "grad_norm": "optim/grad_norm", "pass": "eval/pass@1"}
+
+
+def history_record(step: int, scalars: dict[str, float]) -> dict:
+    """One step's history record from the step's scalars (a key is None where the step did not log it)."""
+    return {"step": step, **{k: scalars.get(tag) for k, tag in HISTORY_SCALARS.items()}}
+
+
+def read_history(tensorboard_dir: str | os.PathLike) -> tuple[list[dict], float | None]:
+    """(history, pass@1 before GRPO) of a run, read back from the TensorBoard events in ``tensorboard_dir``:
+    the records the job keeps in memory, for a run that was cut before it wrote its summary (float32 values,
+    as the event file stores them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from quads_megatron.errors import ConfigError
+
+    acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags().get("scalars", ()))
+    if HISTORY_SCALARS["reward"] not in tags:
+        raise ConfigError(f"{tensorboard_dir}: no GRPO step in its TensorBoard events (no {HISTORY_SCALARS['reward']!r})")
+    by_step: dict[int, dict[str, float]] = {}
+    for tag in tags & set(HISTORY_SCALARS.values()):
+        for e in acc.Scalars(tag):
+            by_step.setdefault(e.step, {})[tag] = e.value
+    pass_before = by_step.pop(0, {}).get(HISTORY_SCALARS["pass"])
+    steps = sorted(s for s, v in by_step.items() if HISTORY_SCALARS["reward"] in v)
+    return [history_record(s, by_step[s]) for s in steps], pass_before
+
+
 class StepLogger:
     """Writes scalars/histograms to TensorBoard (rank 0) and prints one compact line per step."""
 

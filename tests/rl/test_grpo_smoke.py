@@ -126,6 +126,21 @@ def test_event_file_and_summary_json(learning_run):
         LEARN_STEPS, "w4a16", "w4a4_rac")   # the recipe's names: AQAT = W4A16 fake quant, quads = W4A4 + RAC
 
 
+def test_history_reads_back_from_the_event_file(learning_run):
+    """A run cut before its summary still has its history: read_history rebuilds, from the event file alone,
+    the records the job kept in memory (float32, as TensorBoard stores them)."""
+    from quads_megatron.rl.metrics import read_history
+
+    out, tb = learning_run
+    history, pass_before = read_history(tb)
+    assert pass_before == pytest.approx(out["pass@1_before"], rel=1e-6)
+    assert [h["step"] for h in history] == [h["step"] for h in out["history"]]
+    for got, want in zip(history, out["history"]):
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert (got[k] is None) if v is None else got[k] == pytest.approx(v, rel=1e-6, abs=1e-12), (k, got, want)
+
+
 def test_several_optimizer_steps_per_rollout(tiny_args, tmp_path):
     """--global-batch-size below the rollout size: PPO ratios move off 1 on the later optimizer steps."""
     out = main(tiny_args("--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "4",

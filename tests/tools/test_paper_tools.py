@@ -116,6 +116,17 @@ def test_rl_stability(tmp_path):
     # resumable: a second invocation reads the finished runs back instead of rerunning them
     again = _tool("paper_rl_stability").main(argv)
     assert [r["wall_time_s"] for r in again["runs"]] == [r["wall_time_s"] for r in data["runs"]]
+    # a study cut short: a run without its record is plotted up to its last step, read back from TensorBoard
+    tool = _tool("paper_rl_stability")
+    cut = data["runs"][1]
+    (tmp_path / "work" / f"{tool._slug(cut['config'], cut['seed'])}.json").unlink()
+    part = tool.main(SMALL + _outs(tmp_path / "cut", "rl") + ["--work-dir", str(tmp_path / "work"), "--plot-only"])
+    assert (tmp_path / "cut" / "rl.png").stat().st_size > 0
+    assert [r.get("unfinished", False) for r in part["runs"]] == [False, True, False, False, False]
+    read = part["runs"][1]
+    assert read["config"] == cut["config"] and [h["step"] for h in read["history"]] == [1, 2]
+    assert [h["gap"] for h in read["history"]] == pytest.approx([h["gap"] for h in cut["history"]], rel=1e-6)
+    assert read["pass@1_after"] == pytest.approx(cut["pass@1_after"], rel=1e-6)
 
 
 def test_rl_stability_runs_concurrently(tmp_path):
