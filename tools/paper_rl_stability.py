@@ -174,6 +174,14 @@ def run_concurrently(argv: list[str], planned: list[tuple[str, int]], work: Path
         raise ConfigError(f"rl_stability: runs failed: {', '.join(f'{s} (log {work / s}.log)' for s in failed)}")
 
 
+def trailing_mean(values, window: int) -> list[float]:
+    """Mean of each run of ``window`` consecutive values (len(values) - window + 1 of them)."""
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return [(sums[i + window] - sums[i]) / window for i in range(len(values) - window + 1)]
+
+
 def plot(runs: list[dict], path) -> None:
     from quads_megatron.apps.study import plots
 
@@ -181,24 +189,32 @@ def plot(runs: list[dict], path) -> None:
     ncols = 4
     nrows = -(-len(METRICS) // ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.8 * nrows), squeeze=False)
-    fig.suptitle("GRPO on the same seeds: BF16, naive W4A4 and QUADS rollouts, without and with routing replay",
+    window = max(1, max((len(r["history"]) for r in runs), default=0) // 30)
+    fig.suptitle("GRPO on the same seeds: BF16, naive W4A4 and QUADS rollouts, without and with routing replay"
+                 + (f" (lines: trailing mean over {window} steps; faint: every step)" if window > 1 else ""),
                  fontsize=11)
     axes = [a for row in grid for a in row]
+    first_seed = {}
     for r in runs:
         h, lab, color = r["history"], f"{r['config']} (seed {r['seed']})", COLORS[r["config"]]
         if r.get("unfinished"):
             lab += f", cut at step {h[-1]['step']}"
         style = "--" if r.get("routing_replay") else "-"
+        width = 1.6 if first_seed.setdefault(r["config"], r["seed"]) == r["seed"] else 0.9  # a row's other seeds
         for ax, (key, _, _) in zip(axes, METRICS):
             if key == "pass":
                 pts = [(0, r["pass@1_before"])] + [(x["step"], x["pass"]) for x in h if x.get("pass") is not None]
-                marker = "o"
-            else:
-                pts = [(x["step"], x[key]) for x in h if x.get(key) is not None]
-                marker = None
-            if pts and all(v is not None for _, v in pts):
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, color=color, alpha=0.8,
-                        label=lab)
+                if all(v is not None for _, v in pts):
+                    ax.plot(*zip(*pts), style, marker="o", color=color, alpha=0.8, lw=width, label=lab)
+                continue
+            pts = [(x["step"], x[key]) for x in h if x.get(key) is not None]
+            if not pts:
+                continue
+            steps, values = zip(*pts)
+            if window > 1:
+                ax.plot(steps, values, color=color, alpha=0.15, lw=0.5)
+            ax.plot(steps[window - 1:], trailing_mean(values, window), style, color=color, alpha=0.9, lw=width,
+                    label=lab)
     for ax, (_, ylabel, log) in zip(axes, METRICS):
         ax.set_xlabel("GRPO step")
         ax.set_ylabel(ylabel)

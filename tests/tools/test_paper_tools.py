@@ -153,3 +153,10 @@ def test_rl_stability_child_flags():
     assert got == ["--hf-checkpoint", "ck", "--task", "sort:10", "--rows", "BF16 rollout", "--seeds", "2",
                    "--naive-seeds", "2", "--work-dir", "/w", "--out-json", "/w/bf16_rollout_seed2.summary.json",
                    "--out-png", "/w/bf16_rollout_seed2.png", "--", "--train-iters", "300", "--rows", "kept"]
+
+
+def test_rl_stability_trailing_mean():
+    tool = _tool("paper_rl_stability")
+    assert tool.trailing_mean([1, 2, 3, 4], 2) == [1.5, 2.5, 3.5]
+    assert tool.trailing_mean([4.0, 0.0, 2.0], 3) == [2.0]
+    assert tool.trailing_mean([5], 1) == [5.0]
