@@ -269,6 +269,33 @@ def main(argv=None) -> dict:
     return _write(args, argv, runs)
 
 
+def summary_table(runs: list[dict], span: int = 25) -> str:
+    """Markdown: per run the reward of its first and last ``span`` steps, pass@1 before and at the end, and
+    the mismatch figures (mean and p99 log-prob gap, KL, routing disagreement) and gradient norm over its
+    whole history and its last ``4 span`` steps."""
+    def mean(h, key):
+        return _mean(x.get(key) for x in h)
+
+    def fmt(v, spec):
+        return "n/a" if v is None else format(v, spec)
+
+    lines = ["| run | steps | reward first -> last | pass@1 before -> end | mean gap (all / last) "
+             "| p99 gap (last) | KL (last) | routing disagreement (all / last) | grad norm (last) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        h = r["history"]
+        tail = h[-4 * span:]
+        lines.append(
+            f"| {r['config']}, seed {r['seed']} | {h[-1]['step'] if h else 0} "
+            f"| {fmt(mean(h[:span], 'reward'), '.3f')} -> {fmt(mean(h[-span:], 'reward'), '.3f')} "
+            f"| {fmt(r.get('pass@1_before'), '.3f')} -> {fmt(r.get('pass@1_after'), '.3f')} "
+            f"| {fmt(mean(h, 'gap'), '.2e')} / {fmt(mean(tail, 'gap'), '.2e')} | {fmt(mean(tail, 'gap_p99'), '.2e')} "
+            f"| {fmt(mean(tail, 'kl'), '.2e')} "
+            f"| {fmt(mean(h, 'routing_disagreement'), '.4f')} / {fmt(mean(tail, 'routing_disagreement'), '.4f')} "
+            f"| {fmt(mean(tail, 'grad_norm'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def _write(args, argv: list[str], runs: list[dict]) -> dict:
     from quads_megatron.apps.study import cli
 
@@ -276,6 +303,7 @@ def _write(args, argv: list[str], runs: list[dict]) -> dict:
            "config": {k: v for k, v in vars(args).items() if k not in ("out_json", "out_png")}, "runs": runs}
     cli.write_json(args.out_json, out)
     plot(runs, args.out_png)
+    print(summary_table(runs))
     print(f"wrote {args.out_json} and {args.out_png}")
     return out
 

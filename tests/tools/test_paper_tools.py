@@ -160,3 +160,16 @@ def test_rl_stability_trailing_mean():
     assert tool.trailing_mean([1, 2, 3, 4], 2) == [1.5, 2.5, 3.5]
     assert tool.trailing_mean([4.0, 0.0, 2.0], 3) == [2.0]
     assert tool.trailing_mean([5], 1) == [5.0]
+
+
+def test_rl_stability_summary_table():
+    """Reward of the first / last span steps, the rest over the whole history and its last 4 spans."""
+    tool = _tool("paper_rl_stability")
+    h = [{"step": i + 1, "reward": float(i), "gap": 0.01 * (i + 1), "gap_p99": 0.1, "kl": 0.002,
+          "routing_disagreement": None if i == 0 else 0.5, "grad_norm": 2.0, "pass": None} for i in range(4)]
+    run = {"config": "naive W4A4 (BF16 trainer)", "seed": 2, "history": h, "pass@1_before": 0.25,
+           "pass@1_after": None}
+    table = tool.summary_table([run], span=1).splitlines()
+    # span 1: reward of step 1 (0) and step 4 (3); last 4 steps = all 4: gap mean 0.025; disagreement of 3 steps
+    assert table[2] == ("| naive W4A4 (BF16 trainer), seed 2 | 4 | 0.000 -> 3.000 | 0.250 -> n/a | 2.50e-02 / 2.50e-02 "
+                        "| 1.00e-01 | 2.00e-03 | 0.5000 / 0.5000 | 2.00 |")
