@@ -97,12 +97,13 @@ for s in "$@"; do
       end=$((SECONDS + ${WAIT_S:-540}))
       while [ $SECONDS -lt $end ] && ! grep -q "^wrote" "$STUDY/tool.log"; do sleep 15; done
       for f in "$STUDY"/*seed*.log; do echo "$(basename "$f"): $(grep -E '^step ' "$f" | tail -1)"; done
-      tail -2 "$STUDY/tool.log"
       if grep -q "^wrote" "$STUDY/tool.log"; then
+        grep -E "^\||^wrote" "$STUDY/tool.log"
         cp "$STUDY"/rl_stability.json "$STUDY"/rl_stability.png "$OUT"/
-      else  # still running (or cut): the plot so far, unfinished runs up to their last logged step
+      else  # still running (or cut): the plot and table so far, unfinished runs up to their last logged step
+        tail -2 "$STUDY/tool.log"
         $PY tools/paper_rl_stability.py "${STUDY_RUNS[@]}" --work-dir "$STUDY" --plot-only \
-            --out-json "$OUT/rl_stability_partial.json" --out-png "$OUT/rl_stability_partial.png" 2>&1 | tail -8
+            --out-json "$OUT/rl_stability_partial.json" --out-png "$OUT/rl_stability_partial.png" 2>&1 | grep -E "^\||^wrote|rror"
       fi
       # the run logs, records and TensorBoard scalars: enough to rebuild the plot if a run did not finish
       tar czf "$OUT/rl_stability_logs.tgz" -C "$STUDY" $(cd "$STUDY" && ls -d *.log *.json */tb 2>/dev/null) ;;
