@@ -4,6 +4,8 @@
 #   bash tools/gpu_session.sh pretrain rl                # pretrain again (a fresh machine), GRPO curves
 #   bash tools/gpu_session.sh pretrain stability         # the 300-step RL stability study, detached; then
 #   WAIT_S=560 bash tools/gpu_session.sh stability-wait  # in each following call (machine still held): poll, collect
+#   GPU_TESTS="tests/kernels" bash tools/gpu_session.sh check  # a subset of the GPU tests (correctness only: it may
+#                                                        # share the GPU with the study's runs)
 #   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
 #   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
@@ -44,7 +46,7 @@ for s in "$@"; do
       # every GPU test; the SGLang ones (server, CUDA graphs) run when .whl-sglang was carried, else skip
       stage check
       [ -d .whl-sglang ] && { with_sglang || exit 1; }
-      $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
     pretrain)
       stage pretrain
       if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
