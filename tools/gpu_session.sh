@@ -20,7 +20,9 @@ export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CKPT=${CKPT:-runs/moe-240m-hf}
 STUDY=runs/rl_stability
-STUDY_RUNS=(--seeds 1 --naive-seeds 1,2)  # the study's runs: every row once, the two naive W4A4 rows twice
+# the study's runs: every row once, the two naive W4A4 rows twice; STABILITY_ROWS="row,row" runs a subset
+# (when seven runs do not fit one held machine, the rest go to a later one)
+STUDY_RUNS=(--seeds 1 --naive-seeds 1,2 ${STABILITY_ROWS:+--rows "$STABILITY_ROWS"})
 PRETRAIN_ITERS=${PRETRAIN_ITERS:-250}
 RL_ITERS=${RL_ITERS:-50}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
