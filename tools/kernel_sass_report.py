@@ -35,7 +35,8 @@ ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "s
 
 
 def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
-    """triton.compile of `_w4a4_gemm_kernel` for sm_90 (routed, bf16 out) -> CompiledKernel."""
+    """triton.compile of `_w4a4_gemm_kernel` for sm_90 (routed, bf16 out) -> CompiledKernel.
+    rac: the RAC form too, the stored-column K-steps or, with cfg.rac_in_loop (v3), the main-loop one."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,8 +45,10 @@ def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
 
     kern = gemm._w4a4_gemm_kernel
     names = kern.arg_names
-    consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac,
+    in_loop = rac and frag and cfg.rac_in_loop
+    consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac and not in_loop,
                   W4A16=w4a16, DOT_F32=False, EVEN_K=True, EVEN_KR=True, SWAP_AB=cfg.swap_ab,
+                  RES_IN_LOOP=in_loop,
                   FRAG=frag, FRAG_ASM=frag, OUT_BF16=True, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KR=64, GROUP_M=cfg.group_m)
     ptrs = dict(POINTERS, ws_ptr="*u16" if frag else "*u8",
@@ -98,8 +101,8 @@ def main_loop_ops(sass: str) -> collections.Counter:
     return collections.Counter(best or [])
 
 
-def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12) -> dict:
-    c = compile_gemm(cfg, frag, w4a16)
+def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool = False) -> dict:
+    c = compile_gemm(cfg, frag, w4a16, rac)
     ops = main_loop_ops(cuobjdump(c.asm["cubin"], "-sass"))
     total = sum(ops.values())
     decode = sum(v for k, v in ops.items()
@@ -108,7 +111,9 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12) -> dict:
     per_thread = cfg.block_n * cfg.block_k // threads
     ptx = c.asm["ptx"]
     wgmma = re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\{|%rd)", ptx)
-    return dict(layout="v3 fragment" if frag else "v2 row-major", mode="w4a16" if w4a16 else "w4a4",
+    mode = "w4a16" if w4a16 else ("w4a4_rac" + (" in loop" if frag and cfg.rac_in_loop else " columns")
+                                  if rac else "w4a4")
+    return dict(layout="v3 fragment" if frag else "v2 row-major", mode=mode,
                 config=tuple(cfg[:7]), loop_instructions=total, weights_per_thread=per_thread,
                 per_weight=round(total / per_thread, 2), decode_per_weight=round(decode / per_thread, 2),
                 loop_sts_ldsm_shfl=sum(v for k, v in ops.items()
@@ -128,6 +133,8 @@ def main() -> None:
                     metavar=("BM", "BN", "BK", "WARPS", "STAGES", "SWAP"),
                     help="tile(s) to compile (default: the decode tile 16 64 128 4 4 1)")
     ap.add_argument("--w4a16", action="store_true", help="the W4A16 form (bf16 activations)")
+    ap.add_argument("--rac", action="store_true", help="also the RAC forms: stored columns, and (v3) in the "
+                    "main loop (GemmConfig.rac_in_loop)")
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per row")
     args = ap.parse_args()
     cfgs = [GemmConfig(*c[:5], 8, bool(c[5])) for c in args.config or [(16, 64, 128, 4, 4, 1)]]
@@ -136,8 +143,12 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     for cfg in cfgs:
         for frag in [f for f, on in ((False, args.v2), (True, args.v3 or not args.v2)) if on]:
-            r = report(cfg, frag, args.w4a16, args.top)
-            print(" | ".join(f"{k}={v}" for k, v in r.items()))
+            forms = [(cfg, False)]
+            if args.rac and not args.w4a16:
+                forms += [(cfg, True)] + ([(cfg._replace(rac_in_loop=True), True)] if frag else [])
+            for c, rac in forms:
+                r = report(c, frag, args.w4a16, args.top, rac)
+                print(" | ".join(f"{k}={v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":
