@@ -82,8 +82,9 @@ def resources(cubin: bytes) -> dict:
                 spill_bytes=int(local.group(1)) if local else None)
 
 
-def main_loop_ops(sass: str) -> collections.Counter:
-    """Opcodes of the innermost backward-branch loop that issues HGMMA (the K loop)."""
+def mma_loops(sass: str) -> list[list[str]]:
+    """Opcodes of every backward-branch loop that issues HGMMA, the K loop (most HGMMA) first; a RAC
+    form with stored columns has a second one, its residual steps."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
@@ -91,19 +92,21 @@ def main_loop_ops(sass: str) -> collections.Counter:
             toks = m.group(2).split()
             ins.append((int(m.group(1), 16), toks[1] if toks[0].startswith("@") else toks[0],
                         m.group(2)))
-    best = None
+    loops = []
     for addr, op, text in ins:
         target = re.search(r"0x([0-9a-f]+)", text) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
-            if any(o.startswith("HGMMA") for o in body) and (best is None or len(body) < len(best)):
-                best = body
-    return collections.Counter(best or [])
+            if any(o.startswith("HGMMA") for o in body):
+                loops.append(body)
+    return sorted(loops, key=lambda b: (-sum(o.startswith("HGMMA") for o in b), len(b)))
 
 
 def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool = False) -> dict:
     c = compile_gemm(cfg, frag, w4a16, rac)
-    ops = main_loop_ops(cuobjdump(c.asm["cubin"], "-sass"))
+    loops = mma_loops(cuobjdump(c.asm["cubin"], "-sass"))
+    ops = collections.Counter(loops[0] if loops else [])
+    residual = collections.Counter(loops[1]) if len(loops) > 1 else None
     total = sum(ops.values())
     decode = sum(v for k, v in ops.items()
                  if k.split(".")[0] in DECODE_OPS or k.startswith("IMAD.SHL"))
@@ -120,6 +123,9 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool =
                                        if k.startswith(("STS", "LDSM", "SHFL"))),
                 wgmma_a_from_registers=bool(wgmma) and all(w == "{" for w in wgmma),
                 **resources(c.asm["cubin"]),
+                residual_loop=None if residual is None else
+                dict(instructions=sum(residual.values()), ldg_u16=residual["LDG.E.U16"],
+                     sts=sum(v for k, v in residual.items() if k.startswith("STS"))),
                 ops=dict(ops.most_common(args_top)))
 
 
