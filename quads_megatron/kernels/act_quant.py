@@ -105,9 +105,12 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
         if WRITE_F16:
             _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K, FRAG)
+            if RES_DENSE:  # the dense residual tile is zero off its channels (scattered below)
+                tl.store(rv_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                         tl.zeros((BLOCK_M, BLOCK_K), tl.float16), mask=m)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
-        tl.debug_barrier()  # codes and scales just stored are read back
+        tl.debug_barrier()  # codes and scales just stored are read back (and the zeroed residual rewritten)
         j = tl.arange(0, BLOCK_KR)
         jmask = j < KR
         if HAS_GROUP:
@@ -196,8 +199,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         r_scale = torch.empty(m_rows, kr // 16, dtype=torch.uint8, device=dev)
         r_s_dec = torch.empty(m_rows, dtype=torch.float32, device=dev)
         r_values = (None if not with_values else
-                    torch.zeros(m_rows, k, dtype=torch.float16, device=dev) if dense_residual else
-                    torch.empty(m_rows, kr, dtype=torch.float16, device=dev))
+                    torch.empty(m_rows, k if dense_residual else kr, dtype=torch.float16, device=dev))
         comp = comp_index.to(torch.int32).contiguous()
         if comp.ndim == 2 and groups is None:
             raise ValueError("comp_index [G, k] (one set per expert) needs groups [M]")
@@ -224,7 +226,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         values if with_values else s_dec, comp, comp_stride, grp,
         r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec,
         r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values, FRAG=fragment_order,
-        RES_DENSE=dense_residual,
+        RES_DENSE=dense_residual and kr > 0,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False)

@@ -250,8 +250,8 @@ def _w4a4_gemm_kernel(
         SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
-        RES_IN_LOOP: tl.constexpr, FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
+        RES_IN_LOOP: tl.constexpr, FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
@@ -337,7 +337,8 @@ def _w4a4_gemm_kernel(
     ws2 = tl.load(ws2_ptr + expert)
     if FRAG:  # its weight tile is value * scale * 2^-6, the v2 tile's 2^-7 times 2 (exact)
         acc = acc * 0.5
-        acc_r = acc_r * 0.5
+        if RES_IN_LOOP:
+            acc_r = acc_r * 0.5
     if W4A16:
         if SWAP_AB:
             acc = tl.trans(acc)
