@@ -79,24 +79,25 @@ def run_one(args, row: str, seed: int, work: Path) -> dict:
     if args.save_interval:
         flags += ["--save", str(run_dir / "ckpt"), "--save-interval", str(args.save_interval), "--resume"]
     s = grpo_main(flags)
-    done = {"config": row, "seed": seed, "train": train, "rollout": rollout, "routing_replay": r3,
-            "history": s["history"], "pass@1_before": s["pass@1_before"], "pass@1_after": s["pass@1_after"],
-            "reward_before": s["reward_before"], "reward_after": s["reward_after"],
-            "mean_gap": s["mean_logprob_abs_diff"], "mean_routing_disagreement": s.get("mean_routing_disagreement"),
-            "wall_time_s": s["wall_time_s"]}
+    done = {**_record(row, seed, s), "wall_time_s": s["wall_time_s"]}
     cli.write_json(record, done)
     return done
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+def _record(row: str, seed: int, summary: dict) -> dict:
+    """A run's record from the GRPO job's summary (`rl.metrics.history_summary`'s figures)."""
+    train, rollout, r3 = CONFIGS[row]
+    return {"config": row, "seed": seed, "train": train, "rollout": rollout, "routing_replay": r3,
+            "history": summary["history"], "pass@1_before": summary["pass@1_before"],
+            "pass@1_after": summary["pass@1_after"], "reward_before": summary["reward_before"],
+            "reward_after": summary["reward_after"], "mean_gap": summary["mean_logprob_abs_diff"],
+            "mean_routing_disagreement": summary.get("mean_routing_disagreement")}
 
 
 def read_cut_run(row: str, seed: int, work: Path) -> dict | None:
     """The record of a run that has none yet (cut, or still going), read back from its TensorBoard events:
     its history so far, marked ``unfinished``; None if it never logged a step."""
-    from quads_megatron.rl.metrics import read_history
+    from quads_megatron.rl.metrics import history_summary, read_history
 
     tb = work / _slug(row, seed) / "tb"
     if not tb.is_dir() or not any(tb.glob("events.out.tfevents.*")):
@@ -104,12 +105,7 @@ def read_cut_run(row: str, seed: int, work: Path) -> dict | None:
     history, pass_before = read_history(tb)
     if not history:
         return None
-    train, rollout, r3 = CONFIGS[row]
-    passes = [h["pass"] for h in history if h.get("pass") is not None]
-    return {"config": row, "seed": seed, "train": train, "rollout": rollout, "routing_replay": r3,
-            "unfinished": True, "history": history, "pass@1_before": pass_before,
-            "pass@1_after": passes[-1] if passes else None, "mean_gap": _mean(h["gap"] for h in history),
-            "mean_routing_disagreement": _mean(h.get("routing_disagreement") for h in history)}
+    return {**_record(row, seed, history_summary(history, pass_before)), "unfinished": True}
 
 
 def collect(planned: list[tuple[str, int]], work: Path) -> list[dict]:
@@ -273,8 +269,10 @@ def summary_table(runs: list[dict], span: int = 25) -> str:
     """Markdown: per run the reward of its first and last ``span`` steps, pass@1 before and at the end, and
     the mismatch figures (mean and p99 log-prob gap, KL, routing disagreement) and gradient norm over its
     whole history and its last ``4 span`` steps."""
+    from quads_megatron.rl.metrics import mean_or_none
+
     def mean(h, key):
-        return _mean(x.get(key) for x in h)
+        return mean_or_none(x.get(key) for x in h)
 
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)

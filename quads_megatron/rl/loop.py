@@ -20,7 +20,8 @@ from .arguments import parse_args
 from .batch import build_sft_batch, build_train_batch, decode_response, encode_prompt
 from .engines.base import SamplingParams, check_prompt_lengths
 from .loss import LossConfig, masked_mean, policy_loss
-from .metrics import StepLogger, history_record, mismatch_stats, routing_disagreement_counts
+from .metrics import (StepLogger, history_record, history_summary, mismatch_stats, reward_window,
+                      routing_disagreement_counts)
 from .tasks import build_task
 from .tokenizer import load_tokenizer
 
@@ -87,11 +88,6 @@ def _nonfinite(t: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
         t = t[mask.bool()]
     return not bool(torch.isfinite(t).all())
 
-
-def _mean(values) -> float | None:
-    """Mean of the values that are not None; None when there are none."""
-    v = [x for x in values if x is not None]
-    return sum(v) / len(v) if v else None
 
 
 def _set_threads():
@@ -533,21 +529,13 @@ class GRPOTrainer:
     def summary(self) -> dict:
         """Reward before/after, pass@1 before/after, mean log-prob gap: printed, to TensorBoard and JSON."""
         steps = [h for h in self.history if "step" in h]
-        k = max(1, min(5, len(steps) // 3)) if steps else 1
-        passes = [h["pass"] for h in steps if h.get("pass") is not None]
+        k = reward_window(len(steps))
         out = {
-            "steps": len(steps),
-            "reward_before": sum(h["reward"] for h in steps[:k]) / k if steps else None,
-            "reward_after": sum(h["reward"] for h in steps[-k:]) / k if steps else None,
-            "pass@1_before": self.history[0].get("pass_before") if self.history else None,
-            "pass@1_after": passes[-1] if passes else None,
-            "mean_logprob_abs_diff": sum(h["gap"] for h in steps) / len(steps) if steps else None,
-            "mean_routing_disagreement": _mean(h.get("routing_disagreement") for h in steps),
+            **history_summary(steps, self.history[0].get("pass_before") if self.history else None),
             "rollout_routing_replay": bool(self.args.use_rollout_routing_replay),
             "rollout_precision": self.args.recipe.rollout_precision.value,
             "train_precision": self.args.recipe.train_precision.value,
             "tensorboard_dir": str(self.args.tensorboard_dir),
-            "history": steps,
         }
         if _rank0():
             fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

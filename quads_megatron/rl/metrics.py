@@ -63,6 +63,33 @@ def history_record(step: int, scalars: dict[str, float]) -> dict:
     return {"step": step, **{k: scalars.get(tag) for k, tag in HISTORY_SCALARS.items()}}
 
 
+def mean_or_none(values) -> float | None:
+    """Mean of the values that are not None; None when there are none."""
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def reward_window(steps: int) -> int:
+    """How many first / last steps the summary's reward before / after averages."""
+    return max(1, min(5, steps // 3)) if steps else 1
+
+
+def history_summary(steps: list[dict], pass_before: float | None) -> dict:
+    """A run's summary figures from its step records (the job's own summary, and a cut run's read back)."""
+    k = reward_window(len(steps))
+    passes = [h["pass"] for h in steps if h.get("pass") is not None]
+    return {
+        "steps": len(steps),
+        "reward_before": sum(h["reward"] for h in steps[:k]) / k if steps else None,
+        "reward_after": sum(h["reward"] for h in steps[-k:]) / k if steps else None,
+        "pass@1_before": pass_before,
+        "pass@1_after": passes[-1] if passes else None,
+        "mean_logprob_abs_diff": mean_or_none(h["gap"] for h in steps),
+        "mean_routing_disagreement": mean_or_none(h.get("routing_disagreement") for h in steps),
+        "history": steps,
+    }
+
+
 def read_history(tensorboard_dir: str | os.PathLike) -> tuple[list[dict], float | None]:
     """(history, pass@1 before GRPO) of a run, read back from the TensorBoard events in ``tensorboard_dir``:
     the records the job keeps in memory, for a run that was cut before it wrote its summary (float32 values,
