@@ -43,12 +43,14 @@ for s in "$@"; do
   case $s in
     check-rl)
       stage check-rl
-      $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gpu_rl_tests.log" ;;
+      $PY -m pytest -q -p no:cacheprovider -m gpu tests/rl/test_gpu.py 2>&1 | tee "$OUT/gpu_rl_tests.log" | tail -4 ;;
     check)
       # every GPU test; the SGLang ones (server, CUDA graphs) run when .whl-sglang was carried, else skip
       stage check
       [ -d .whl-sglang ] && { with_sglang || exit 1; }
-      $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      # the whole log goes to $OUT first, so a call cut at its limit still brings back what passed and failed
+      timeout "${TESTS_S:-540}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 \
+          | tee "$OUT/gpu_tests.log" | tail -25 ;;
     pretrain)
       stage pretrain
       if [ -f "$CKPT/quads_manifest.json" ]; then echo "reusing $CKPT (this machine pretrained it already)"; continue; fi
@@ -74,7 +76,7 @@ for s in "$@"; do
       # issue 25 in one call: the GPU tests (kernels, loaders, engines; SGLang's skip without its wheel set), then
       # the MoE layer (BF16, FP8, v2, v3), the refit, the dense linear and the v3 tile sweep; each step bounded
       stage kernels
-      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
       stage moe_layer
       timeout 170 $PY tools/bench_moe_layer.py --iters 30 --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
       stage refit
