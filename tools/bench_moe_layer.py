@@ -332,7 +332,7 @@ def kernel_profile(fn: Callable, calls: int = 5) -> list:
 
 def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
     """Candidate (fc1, fc2) GemmConfigs for the layer at t tokens (--sweep), the default first
-    (v3: K step 128, N tiles of 64 rows per 4 warps; also RAC in the main loop, `rac_in_loop`)."""
+    (v3: K step 128, N tiles of 64 rows per 4 warps)."""
     from quads_megatron.kernels.gemm import GemmConfig as C
 
     rows = t * topk / e
@@ -348,8 +348,6 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
         else:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
                      C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4)]
-        # RAC in the main loop (no stored columns; w4a4 runs as without it) on the first three tiles
-        cands += [c._replace(rac_in_loop=True) for c in cands[:3]]
         return [None] + [(c, c) for c in cands]
     if rows <= 32:
         cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,

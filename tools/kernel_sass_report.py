@@ -36,7 +36,7 @@ ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "s
 
 def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
     """triton.compile of `_w4a4_gemm_kernel` for sm_90 (routed, bf16 out) -> CompiledKernel.
-    rac: the RAC form too, the stored-column K-steps or, with cfg.rac_in_loop (v3), the main-loop one."""
+    rac: the RAC form too (its K-steps over the stored fp16 weight columns)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,10 +45,8 @@ def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
 
     kern = gemm._w4a4_gemm_kernel
     names = kern.arg_names
-    in_loop = rac and frag and cfg.rac_in_loop
-    consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac and not in_loop,
+    consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac,
                   W4A16=w4a16, DOT_F32=False, EVEN_K=True, EVEN_KR=True, SWAP_AB=cfg.swap_ab,
-                  RES_IN_LOOP=in_loop,
                   FRAG=frag, FRAG_ASM=frag, OUT_BF16=True, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KR=64, GROUP_M=cfg.group_m)
     ptrs = dict(POINTERS, ws_ptr="*u16" if frag else "*u8",
@@ -114,8 +112,7 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool =
     per_thread = cfg.block_n * cfg.block_k // threads
     ptx = c.asm["ptx"]
     wgmma = re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\{|%rd)", ptx)
-    mode = "w4a16" if w4a16 else ("w4a4_rac" + (" in loop" if frag and cfg.rac_in_loop else " columns")
-                                  if rac else "w4a4")
+    mode = "w4a16" if w4a16 else ("w4a4_rac" if rac else "w4a4")
     return dict(layout="v3 fragment" if frag else "v2 row-major", mode=mode,
                 config=tuple(cfg[:7]), loop_instructions=total, weights_per_thread=per_thread,
                 per_weight=round(total / per_thread, 2), decode_per_weight=round(decode / per_thread, 2),
@@ -139,8 +136,7 @@ def main() -> None:
                     metavar=("BM", "BN", "BK", "WARPS", "STAGES", "SWAP"),
                     help="tile(s) to compile (default: the decode tile 16 64 128 4 4 1)")
     ap.add_argument("--w4a16", action="store_true", help="the W4A16 form (bf16 activations)")
-    ap.add_argument("--rac", action="store_true", help="also the RAC forms: stored columns, and (v3) in the "
-                    "main loop (GemmConfig.rac_in_loop)")
+    ap.add_argument("--rac", action="store_true", help="also the RAC form (K-steps over stored fp16 columns)")
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per row")
     args = ap.parse_args()
     cfgs = [GemmConfig(*c[:5], 8, bool(c[5])) for c in args.config or [(16, 64, 128, 4, 4, 1)]]
@@ -149,11 +145,8 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     for cfg in cfgs:
         for frag in [f for f, on in ((False, args.v2), (True, args.v3 or not args.v2)) if on]:
-            forms = [(cfg, False)]
-            if args.rac and not args.w4a16:
-                forms += [(cfg, True)] + ([(cfg._replace(rac_in_loop=True), True)] if frag else [])
-            for c, rac in forms:
-                r = report(c, frag, args.w4a16, args.top, rac)
+            for rac in (False, True) if args.rac and not args.w4a16 else (False,):
+                r = report(cfg, frag, args.w4a16, args.top, rac)
                 print(" | ".join(f"{k}={v}" for k, v in r.items()))
 
 

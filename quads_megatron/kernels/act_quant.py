@@ -66,18 +66,9 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 
 
 @triton.jit
-def fragment_position(c):
-    """Column c -> its position in the fragment GEMM's K order: within each 128-wide step, column
-    32 w + 16 b + 4 t + j sits at 32 w + 8 j + 2 t + b (the inverse of `fragment_columns`)."""
-    cc = c % 128
-    return c - cc + (cc // 32) * 32 + (cc % 4) * 8 + ((cc // 4) % 4) * 2 + (cc // 16) % 2
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
                       comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
-                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, RES_DENSE: tl.constexpr,
-                      STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -105,12 +96,9 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
         if WRITE_F16:
             _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K, FRAG)
-            if RES_DENSE:  # the dense residual tile is zero off its channels (scattered below)
-                tl.store(rv_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                         tl.zeros((BLOCK_M, BLOCK_K), tl.float16), mask=m)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
-        tl.debug_barrier()  # codes and scales just stored are read back (and the zeroed residual rewritten)
+        tl.debug_barrier()  # codes and scales just stored are read back
         j = tl.arange(0, BLOCK_KR)
         jmask = j < KR
         if HAS_GROUP:
@@ -131,25 +119,14 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         rcodes, rsf_bits, rsf_val = nvfp4_block_quantize(r, r_enc[:, None], r_dec[:, None],
                                                          BLOCK_KR // 16, BLOCK_M)
         _store_packed(r_ptr, rs_ptr, rcodes, rsf_bits, rows, rmask, 0, KR, BLOCK_M, BLOCK_KR)
-        if WRITE_F16 and RES_DENSE:
-            # the residual scattered into a zeroed [M, K] tile at its channels' K positions (in
-            # the fragment GEMM's K order with FRAG), for a main loop that multiplies it with the
-            # weight tile it decodes anyway
-            rv = tl.reshape(tl.reshape(e2m1_decode(rcodes), (BLOCK_M, BLOCK_KR // 16, 16))
-                            * (rsf_val * 0.0078125)[:, :, None], (BLOCK_M, BLOCK_KR))
-            pos = idx
-            if FRAG:
-                pos = fragment_position(idx)
-            tl.store(rv_ptr + rbase * K + pos, rv.to(tl.float16), mask=m)
-        elif WRITE_F16:
+        if WRITE_F16:
             _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], m, KR, BLOCK_M, BLOCK_KR)
 
 
 class QuantizedActivation(NamedTuple):
     """Quantized activation: codes [M, K//2], e4m3 scale bits [M, K//16], S_dec [M], and (for the
     Hopper GEMM) `values` = e2m1 * e4m3 * 2^-7 as exact fp16 [M, K]; the RAC residual likewise
-    on the k gathered channels (None when k == 0), its `r_values` [M, k], or with dense_residual
-    [M, K]: zero but at the channels' positions."""
+    on the k gathered channels (None when k == 0)."""
     data: torch.Tensor
     scale: torch.Tensor
     s_dec: torch.Tensor
@@ -164,8 +141,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
                             input_scale=None, groups: Optional[torch.Tensor] = None,
                             silu_mul: bool = False, block_m: Optional[int] = None,
                             with_values: bool = True,
-                            fragment_order: bool = False,
-                            dense_residual: bool = False) -> QuantizedActivation:
+                            fragment_order: bool = False) -> QuantizedActivation:
     """x [M, K] (or [M, 2K] gate|up with silu_mul) -> QuantizedActivation (no host syncs).
 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
@@ -173,8 +149,6 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual);
     fragment_order: the activation's fp16 values in the fragment GEMM's K order
     (`fragment_layout.fragment_columns`: values[:, p] = x's value at column fragment_columns(K)[p]);
-    dense_residual: the residual's fp16 values as a [M, K] tile in the same K order as `values`,
-    zero outside the compensation channels (the GEMM's `GemmConfig.rac_in_loop`);
     block_m: rows per program (default: 1 row with 1024-wide tiles below 512 rows, where a few
     4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles).
     Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
@@ -198,8 +172,8 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         r_data = torch.empty(m_rows, kr // 2, dtype=torch.uint8, device=dev)
         r_scale = torch.empty(m_rows, kr // 16, dtype=torch.uint8, device=dev)
         r_s_dec = torch.empty(m_rows, dtype=torch.float32, device=dev)
-        r_values = (None if not with_values else
-                    torch.empty(m_rows, k if dense_residual else kr, dtype=torch.float16, device=dev))
+        r_values = (torch.empty(m_rows, kr, dtype=torch.float16, device=dev)
+                    if with_values else None)
         comp = comp_index.to(torch.int32).contiguous()
         if comp.ndim == 2 and groups is None:
             raise ValueError("comp_index [G, k] (one set per expert) needs groups [M]")
@@ -226,7 +200,6 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         values if with_values else s_dec, comp, comp_stride, grp,
         r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec,
         r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values, FRAG=fragment_order,
-        RES_DENSE=dense_residual and kr > 0,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False)

@@ -24,12 +24,7 @@ the act_quant pre-pass (exact fp16, its own per-row S_dec: the accumulator is re
 S_dec(x) / S_dec(r) before these steps) and the weight columns Wq[:, S] are stored per expert
 at load time in the same exact fp16 form (`rac_columns.rac_weight_columns`), so no single
 columns are gathered from the packed weight here. (A form that folded the residual into the
-fp16 activation tile was removed: it failed its GPU accuracy test.) On fragment-order weights
-`GemmConfig.rac_in_loop` runs the residual inside the main loop instead: act_quant scatters rq
-into a zeroed [M, K] tile in the activation's K order, and each K-step multiplies it with the
-weight tile it has just decoded into a second accumulator, so RAC reads no weight bytes beyond
-W4A4's (the fp16 columns are +11% bytes on fc1 and +30% on fc2 at Qwen3-30B-A3B's sizes), for one
-more MMA per step. Not a default tile yet: `tools/bench_moe_layer.py --sweep` times it.
+fp16 activation tile was removed: it failed its GPU accuracy test.)
 
 `GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
 decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and
@@ -173,15 +168,13 @@ def decode_fragments(words, sc, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fragment_main_loop(acc, acc_r, a_ptr, r_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert,
-                        stride_we, stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
+def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, stride_we,
+                        stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
                         SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr,
-                        RES_IN_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The main loop over fragment-order codes: per 128-wide step, one [BLOCK_N/64] x 1024-word
     load (16 bytes per thread and row pair), the matching scale pairs, the activation tile (its
-    columns already in the tile's K order), the register decode and one MMA. RES_IN_LOOP: a second
-    MMA of the same decoded tile with the dense RAC residual tile (same strides and K order as the
-    activation) into acc_r, so RAC reads no weight bytes beyond W4A4's."""
+    columns already in the tile's K order), the register decode and one MMA."""
     NA: tl.constexpr = BLOCK_N // 64
     # a thread's 4 words are one 16-byte load; [slot, 4 words] with slot = t + 4 g + 32 q +
     # 128 (atom + NA h): lanes take (t, g), warps q (and the atom with 8 warps), registers the rest
@@ -200,9 +193,7 @@ def _fragment_main_loop(acc, acc_r, a_ptr, r_ptr, a_rows, stride_am, w32_ptr, ws
     s_ptrs = ws_ptr + expert * (stride_wse // 2) + rows.to(tl.int64) * (stride_wsn // 2) \
         + step0 * 4 + ww
     # the activation is stored in the same K order (`fragment_layout.fragment_columns`)
-    a_off = a_rows[:, None] * stride_am + k_start + tl.arange(0, 128)[None, :]
-    a_ptrs = a_ptr + a_off
-    r_ptrs = r_ptr + a_off
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_start + tl.arange(0, 128)[None, :]
     for _ in range(k_start, k_end, 128):
         words = tl.load(w_ptrs)
         sc = tl.load(s_ptrs)
@@ -212,10 +203,7 @@ def _fragment_main_loop(acc, acc_r, a_ptr, r_ptr, a_rows, stride_am, w32_ptr, ws
         a_ptrs += 128
         wt = decode_fragments(words, sc, BLOCK_N, ASM)
         acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
-        if RES_IN_LOOP:
-            acc_r = _mma(acc_r, tl.load(r_ptrs), wt, SWAP_AB, DOT_F32)
-            r_ptrs += 128
-    return acc, acc_r
+    return acc
 
 
 @triton.jit
@@ -250,8 +238,8 @@ def _w4a4_gemm_kernel(
         SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
-        RES_IN_LOOP: tl.constexpr, FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
+        FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
@@ -259,10 +247,7 @@ def _w4a4_gemm_kernel(
     SPLIT_K > 1 (dense only): program axis 1 takes K_SPLIT of K and stores its fp32 partial
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
-    and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton).
-    RES_IN_LOOP (FRAG only, instead of HAS_RES): the residual is a dense [Ma, K] tile (rv_ptr, zero
-    off the channels) multiplied in the main loop with the decoded weight tile into its own
-    accumulator; C = (acc S_dec(x) + acc_r S_dec(r)) ws2 2^14."""
+    and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -309,12 +294,10 @@ def _w4a4_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_r = tl.zeros_like(acc)
     if FRAG:
-        acc, acc_r = _fragment_main_loop(acc, acc_r, a_ptr, rv_ptr, a_rows, stride_am, w32_ptr,
-                                         ws_ptr, expert, stride_we, stride_wse, stride_wsn, pid_n, N,
-                                         K, k_start, k_end, SWAP_AB, DOT_F32, FRAG_ASM, RES_IN_LOOP,
-                                         BLOCK_M, BLOCK_N)
+        acc = _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert,
+                                  stride_we, stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
+                                  SWAP_AB, DOT_F32, FRAG_ASM, BLOCK_M, BLOCK_N)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
@@ -337,19 +320,10 @@ def _w4a4_gemm_kernel(
     ws2 = tl.load(ws2_ptr + expert)
     if FRAG:  # its weight tile is value * scale * 2^-6, the v2 tile's 2^-7 times 2 (exact)
         acc = acc * 0.5
-        if RES_IN_LOOP:
-            acc_r = acc_r * 0.5
     if W4A16:
         if SWAP_AB:
             acc = tl.trans(acc)
         out = acc * (ws2 * 128.0)
-    elif RES_IN_LOOP:
-        sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
-        rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
-        if SWAP_AB:
-            acc = tl.trans(acc)
-            acc_r = tl.trans(acc_r)
-        out = (acc * sdec[:, None] + acc_r * rdec[:, None]) * (ws2 * 16384.0)
     else:
         sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
         if HAS_RES:
@@ -411,9 +385,6 @@ class GemmConfig(NamedTuple):
     group_m: int = 8
     swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
     split_k: int = 1  # dense only: K split over this many programs per tile, fp32 partials summed
-    # RAC on fragment-order weights: the residual multiplied in the main loop with the decoded weight
-    # tile (act_quant's dense_residual), instead of k more K-steps over stored fp16 weight columns
-    rac_in_loop: bool = False
 
 
 def interpreting() -> bool:
@@ -499,8 +470,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     """Run the kernel. a: the exact fp16 activation values of act_quant [Ma, K] (or the float
     x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
     expert_ids, num_post) for the grouped form; RAC: r = (values [Ma, k], s_dec [Ma]) of the
-    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`), or with
-    config.rac_in_loop r = (act_quant's dense residual [Ma, K], s_dec [Ma]) and no comp_weight;
+    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`);
     fragment_layout: w is in `fragment_layout.to_fragment_order`'s byte order (the v3 main loop)."""
     e, n, k2 = w.shape
     k = k2 * 2
@@ -537,13 +507,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     else:
         sorted_ids, expert_ids, npost = routing
         num_m_blocks = sorted_ids.numel() // bm
-    in_loop = r is not None and config.rac_in_loop
-    if in_loop and (not fragment_layout or comp_weight is not None or r[0].dtype != torch.float16
-                    or r[0].shape != a.shape or r[0].stride() != a.stride()):
-        raise ValueError(f"rac_in_loop: expected fragment-order weights, no comp_weight and the dense "
-                         f"fp16 residual shaped and strided like the activation {tuple(a.shape)}, got "
-                         f"fragment_layout={fragment_layout}, residual {r[0].dtype} {tuple(r[0].shape)}")
-    kr = 0 if r is None or in_loop else comp_weight.shape[-1]
+    kr = 0 if r is None else comp_weight.shape[-1]
     if kr and (comp_weight.dtype != torch.float16 or comp_weight.shape != (e, n, kr)
                or comp_weight.stride(-1) != 1 or r[0].shape[-1] != kr or not r[0].is_contiguous()):
         raise ValueError(f"comp_weight: expected fp16 [{e}, {n}, k] (row-major) and residual "
@@ -560,7 +524,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     ws = w_scale.view(torch.uint16 if fragment_layout else torch.uint8)
     _w4a4_gemm_kernel[grid](
         a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
-        r[0] if r is not None else a, r[1] if r is not None else w_scale_2, kr,
+        r[0] if kr else a, r[1] if kr else w_scale_2, kr,
         rw, rw.stride(0) if kr else 0, rw.stride(1) if kr else 0,
         _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), w_scale.stride(0),
         w_scale.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
@@ -569,7 +533,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
-        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, RES_IN_LOOP=in_loop,
+        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab,
         FRAG=fragment_layout, FRAG_ASM=fragment_layout and not interpreting(),
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,

@@ -111,31 +111,6 @@ def test_act_quant_fragment_order_permutes_the_values_only():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("per_expert", [False, True])
-def test_act_quant_dense_residual_scatters_the_gathered_one(per_expert):
-    """dense_residual: the residual's fp16 values at their channels' K positions (the activation's K
-    order, fragment or not), zero elsewhere; everything else as without it."""
-    if not interpreting() and not CUDA:
-        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
-    dev = "cuda" if CUDA else "cpu"
-    gen = torch.Generator().manual_seed(5)
-    x = activations(6, 256, torch.float32, dev, gen)
-    groups = torch.tensor([0, 2, 1, 2, 0, 1], device=dev) if per_expert else None
-    ci = comp(256, 32, gen, 3 if per_expert else None).to(dev)
-    gathered = quantize_activation_rac(x, ci, groups=groups)
-    sets = ci[groups].cpu() if per_expert else ci.cpu().expand(6, -1)
-    for frag in (False, True):
-        dense = quantize_activation_rac(x, ci, groups=groups, fragment_order=frag, dense_residual=True)
-        # position of column c: where fragment_columns (the layout's own definition) lists c
-        pos = torch.argsort(fragment_columns(256)) if frag else torch.arange(256)
-        want = torch.zeros(6, 256, dtype=torch.float16)
-        want.scatter_(1, pos[sets.long()], gathered.r_values.cpu())
-        assert torch.equal(dense.r_values.cpu(), want), frag
-        assert gathered.r_values.abs().sum() > 0
-        for name in ("data", "scale", "s_dec", "r_data", "r_scale", "r_s_dec"):
-            assert torch.equal(getattr(gathered, name), getattr(dense, name)), name
-
-
 # ---- decode: exhaustive, bit-exact -----------------------------------------------------------
 @triton.jit
 def _fragment_probe(w_ptr, s_ptr, out_ptr, ASM: tl.constexpr):
@@ -226,28 +201,6 @@ def test_fragment_fused_moe_cpu(mode, dtype, t, prebuilt, swap):
 
 
 @cpu_kernels
-@pytest.mark.parametrize("swap,dtype", [(True, torch.float32), (False, torch.bfloat16)])
-def test_fragment_fused_moe_rac_in_loop_cpu(swap, dtype):
-    """GemmConfig.rac_in_loop: the residual multiplied with the decoded weight tile in the main loop
-    (no stored columns) gives the reference's RAC layer, one channel set for fc1, one per expert
-    for fc2."""
-    cfg = GemmConfig(16, 64, 128, 4, 1, 8, swap, rac_in_loop=True)
-    _check_moe("cpu", "w4a4_rac", dtype, 7, 128, 128, 4, 2, False, configs=(cfg, cfg))
-
-
-@cpu_kernels
-def test_rac_in_loop_needs_the_dense_residual_cpu():
-    gen = torch.Generator().manual_seed(6)
-    x = activations(3, 128, torch.float32, "cpu", gen)
-    w = packed((64, 128), "cpu", gen=gen)
-    qa = quantize_activation_rac(x, comp(128, 16, gen), fragment_order=True)   # gathered [3, 16]
-    with pytest.raises(ValueError, match="rac_in_loop: expected .* dense fp16 residual"):
-        launch_gemm(qa.values, qa.s_dec, to_fragment_order(w[0]).unsqueeze(0), w[1].unsqueeze(0),
-                    w[2].reshape(1), torch.empty(3, 64), m=3, r=(qa.r_values, qa.r_s_dec),
-                    config=GemmConfig(16, 64, 128, 4, 1, 8, True, rac_in_loop=True), fragment_layout=True)
-
-
-@cpu_kernels
 @pytest.mark.parametrize("mode", ["w4a4", "w4a4_rac", "w4a16"])
 def test_fragment_linear_with_bias_cpu(mode):
     gen = torch.Generator().manual_seed(1)
@@ -297,8 +250,7 @@ def test_fragment_fused_moe_full_size_gpu(mode, dtype, t):
 @gpu
 @pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
                                  (16, 128, 128, 8, 4, 8, True), (32, 64, 128, 4, 4, 8, True),
-                                 (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False),
-                                 (16, 128, 128, 4, 4, 8, True, 1, True), (64, 128, 128, 8, 3, 8, False, 1, True)])
+                                 (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False)])
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.bfloat16)])
 def test_fragment_configs_gpu(cfg, mode, dtype):
     """Every tile of the bench's v3 sweep gives the reference's answer."""
