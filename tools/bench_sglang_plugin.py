@@ -2,7 +2,8 @@
 
 Builds SGLang's QKVParallelLinear and FusedMoE with the quads methods at Qwen3-30B-A3B shapes
 (or --tiny ones), loads random NVFP4 checkpoint tensors through SGLang's loaders and prints a
-table: eager forward and CUDA-graph replay per layer (decode batch), one RL weight update of
+table: eager forward and CUDA-graph replay per layer (decode batch; on a GPU also SGLang's own
+BF16 and FP8 FusedMoE at the same shapes and routing, the server's baselines), one RL weight update of
 the layer (restore -> load -> process, SGLang's begin/end_weight_update helpers, tensors
 already on the device), and whether the graph captured before the update replays the new
 weights (equal to an eager forward). Correctness against the reference is the tests' job.
@@ -170,6 +171,34 @@ def bench_moe(sh, cfg, device, tokens, iters, stacked=False):
     return run(model, lambda: layer(x, topk), tensors, device, iters)
 
 
+def bench_moe_sglang(sh, device, tokens, iters, fp8: bool):
+    """SGLang's own FusedMoE at the same shapes and routing: BF16 (no quant_config) or FP8 (`Fp8Config()`, what
+    `--quantization fp8` does to a BF16 checkpoint: e4m3 weights quantized at load, dynamic activations) ->
+    graph ms (the baselines of the quads rows, same run)."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    e, h, f = sh["e"], sh["h"], sh["f"]
+    with device:
+        layer = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=sh["topk"],
+                         params_dtype=torch.bfloat16, quant_config=Fp8Config() if fp8 else None, prefix="experts")
+    model = torch.nn.ModuleDict({"experts": layer})
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.is_floating_point() and p.dim() == 3:  # the expert weights; scales keep their initial ones
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+    DefaultModelLoader.postprocess_weights(model, device)
+    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, e, device=device)
+    w, ids = torch.topk(torch.softmax(logits, -1), sh["topk"], dim=-1)
+    topk = StandardTopKOutput(w / w.sum(-1, keepdim=True), ids.to(torch.int32), logits)
+    replay, out = graph_of(lambda: layer(x, topk), device)
+    return timed(replay, device, iters)
+
+
 def run(model, fwd, tensors, device, iters):
     """(eager ms, graph ms, update ms, replay after update == eager); iters 0: the update only, as
     (load ms, process ms, update ms, loader calls)."""
@@ -241,6 +270,9 @@ def main() -> None:
         eager, graph, upd, ok = fn(sh, cfg, device, args.tokens, args.iters)
         print(f"{name:<16} {eager:>9.3f} {graph:>9.3f} {upd:>10.1f}  "
               f"{'ok' if ok else 'STALE'}{'' if device.type == 'cuda' else ' (no graph on CPU)'}")
+    if device.type == "cuda":  # SGLang's own MoE paths at the same shapes: the baselines the server runs
+        for name, fp8 in (("experts SGLang bf16", False), ("experts SGLang fp8", True)):
+            print(f"{name:<16} {'':>9} {bench_moe_sglang(sh, device, args.tokens, args.iters, fp8):>9.3f}")
 
 
 if __name__ == "__main__":

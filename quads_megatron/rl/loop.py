@@ -89,7 +89,6 @@ def _nonfinite(t: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
     return not bool(torch.isfinite(t).all())
 
 
-
 def _set_threads():
     """Split the machine's cores between the local ranks (torchrun sets LOCAL_WORLD_SIZE)."""
     if torch.cuda.is_available():
