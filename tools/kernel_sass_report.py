@@ -31,7 +31,8 @@ POINTERS = {"a_ptr": "*fp16", "asdec_ptr": "*fp32", "rv_ptr": "*fp16", "rsdec_pt
             "rw_ptr": "*fp16", "w32_ptr": "*i32", "ws2_ptr": "*fp32", "c_ptr": "*u16",
             "bias_ptr": "*fp32", "topk_w_ptr": "*fp32", "sorted_ptr": "*i32",
             "expert_ptr": "*i32", "npost_ptr": "*i32"}
-ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_cm", "N", "K")
+ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_cm", "N", "K", "KR",
+           "stride_rwe", "stride_rwn")
 
 
 def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
