@@ -127,9 +127,19 @@ def stack_layer(ck: dict, e: int) -> dict:
     return out
 
 
+def decode_inputs(sh, device, tokens):
+    """(hidden states, SGLang top-k output) of one decode batch, seeded: every MoE row sees the same routing."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, sh["h"], device=device, dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, sh["e"], device=device, generator=gen)
+    w, ids = torch.topk(torch.softmax(logits, -1), sh["topk"], dim=-1)
+    return x, StandardTopKOutput(w / w.sum(-1, keepdim=True), ids.to(torch.int32), logits)
+
+
 def bench_moe(sh, cfg, device, tokens, iters, stacked=False):
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     e, h, f = sh["e"], sh["h"], sh["f"]
     with device:
@@ -164,10 +174,7 @@ def bench_moe(sh, cfg, device, tokens, iters, stacked=False):
                     break
         return calls
 
-    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
-    logits = torch.randn(tokens, e, device=device)
-    w, ids = torch.topk(torch.softmax(logits, -1), sh["topk"], dim=-1)
-    topk = StandardTopKOutput(w / w.sum(-1, keepdim=True), ids.to(torch.int32), logits)
+    x, topk = decode_inputs(sh, device, tokens)
     return run(model, lambda: layer(x, topk), tensors, device, iters)
 
 
@@ -176,7 +183,6 @@ def bench_moe_sglang(sh, device, tokens, iters, fp8: bool):
     `--quantization fp8` does to a BF16 checkpoint: e4m3 weights quantized at load, dynamic activations) ->
     graph ms (the baselines of the quads rows, same run)."""
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
@@ -191,10 +197,7 @@ def bench_moe_sglang(sh, device, tokens, iters, fp8: bool):
             if p.is_floating_point() and p.dim() == 3:  # the expert weights; scales keep their initial ones
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
     DefaultModelLoader.postprocess_weights(model, device)
-    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
-    logits = torch.randn(tokens, e, device=device)
-    w, ids = torch.topk(torch.softmax(logits, -1), sh["topk"], dim=-1)
-    topk = StandardTopKOutput(w / w.sum(-1, keepdim=True), ids.to(torch.int32), logits)
+    x, topk = decode_inputs(sh, device, tokens)
     replay, out = graph_of(lambda: layer(x, topk), device)
     return timed(replay, device, iters)
 

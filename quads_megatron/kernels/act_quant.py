@@ -68,7 +68,8 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 @triton.jit
 def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
                       comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
-                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr,
+                      SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -62,6 +62,13 @@ def _k_order(k: int, device: torch.device) -> torch.Tensor:
     return fragment_columns(k, device)
 
 
+def _rac_columns(weight: torch.Tensor, weight_scale: torch.Tensor, comp: torch.Tensor,
+                 frag: bool) -> torch.Tensor:
+    """RAC weight columns built per call (a loader builds them once): from the ModelOpt codes, so
+    fragment-order weights are read back first."""
+    return rac_weight_columns(from_fragment_order(weight) if frag else weight, weight_scale, comp)
+
+
 def _same_device(x: torch.Tensor, **tensors) -> None:
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.device != x.device:
@@ -145,8 +152,8 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
 
     backend and check_inputs as in `w4a4_linear`; w13_comp_weight fp16 [E, 2F, k] /
     w2_comp_weight fp16 [E, H, k]: rac_weight_columns of w13 / w2 at their channels (w4a4_rac;
-    built per call when None); configs: (fc1, fc2) `GemmConfig`s instead of `default_config`'s
-    (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block);
+    built per call when None); configs: (fc1, fc2) `GemmConfig`s instead of `default_config`'s /
+    `fragment_config`'s (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block);
     weight_layout: "modelopt" or "fragment" (w13 and w2 in `fragment_layout`'s order, the v3 main
     loop; the reference backend and per-call RAC columns convert them back)."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
@@ -159,18 +166,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                  w13_comp_weight=w13_comp_weight if c13 is not None else None,
                  w2_comp_weight=w2_comp_weight if c2 is not None else None)
     frag = _check_layout(weight_layout, w13=w13, w2=w2)
-    torch_backend = resolve_backend(x.device, backend) == "torch"
-    if frag and (torch_backend or (c13 is not None and w13_comp_weight is None)
-                 or (c2 is not None and w2_comp_weight is None)):
-        w13_mo, w2_mo = from_fragment_order(w13), from_fragment_order(w2)
-        if torch_backend:
-            w13, w2, frag = w13_mo, w2_mo, False
-        else:
-            if c13 is not None and w13_comp_weight is None:
-                w13_comp_weight = rac_weight_columns(w13_mo, w13_scale, c13)
-            if c2 is not None and w2_comp_weight is None:
-                w2_comp_weight = rac_weight_columns(w2_mo, w2_scale, c2)
-    if torch_backend:
+    if resolve_backend(x.device, backend) == "torch":
+        if frag:
+            w13, w2 = from_fragment_order(w13), from_fragment_order(w2)
         return reference.w4a4_fused_moe(
             x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
             act_mode=act_mode, w13_comp_index=w13_comp_index, w2_comp_index=w2_comp_index,
@@ -200,7 +198,7 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)
         if c13 is not None and w13_comp_weight is None:
-            w13_comp_weight = rac_weight_columns(w13, w13_scale, c13)
+            w13_comp_weight = _rac_columns(w13, w13_scale, c13, frag)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_weight=w13_comp_weight if r is not None else None, routing=routing,
                     a_row_div=topk, config=cfg1, fragment_layout=frag)
@@ -215,7 +213,7 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                                      fragment_order=frag)
         r = None if c2 is None else (qh.r_values, qh.r_s_dec)
         if c2 is not None and w2_comp_weight is None:
-            w2_comp_weight = rac_weight_columns(w2, w2_scale, c2)
+            w2_comp_weight = _rac_columns(w2, w2_scale, c2, frag)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_weight=w2_comp_weight if r is not None else None, routing=routing,
                     topk_weights=tw, config=cfg2, fragment_layout=frag)
