@@ -226,7 +226,9 @@ def test_layers_go_out_whole_only_to_unsharded_quads_servers(servers, tmp_path, 
     s = servers(tp_size=tp_size, quantization=quantization)
     eng = SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path), stacked_experts=True)
     assert eng.sends_stacked == stacked
-    assert not SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path)).sends_stacked
+    assert SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path)).sends_stacked == stacked
+    assert not SGLangEngine([s.url], max_seq_len=32, weight_sync=mode, sync_dir=str(tmp_path),
+                            stacked_experts=False).sends_stacked
     stream = [layer] if mode == "tensor-bf16" else list(quantize_named_params([layer], plan, keep_layers=True))
     eng.update_weights(stream)
     if mode == "disk":

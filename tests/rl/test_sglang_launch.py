@@ -28,3 +28,22 @@ def test_export_rollout_checkpoint(tiny_args, tmp_path, precision, flags):
         keys = set(f.keys())
     assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_2" in keys
     assert "model.embed_tokens.weight" in keys
+
+
+def test_server_env_drops_what_torchrun_exports(tmp_path):
+    """The server gets the environment torchrun started from, not its workers' launch variables (with them,
+    torch < 2.14 makes the server's rendezvous a client of the torchrun agent's store: it hangs)."""
+    import os
+    import subprocess
+    import sys
+
+    from quads_megatron.rl.engines.sglang_launch import server_env
+
+    script = tmp_path / "env.py"
+    script.write_text("import json, os; print(json.dumps(dict(os.environ)))\n")
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": "0", "LC_CTYPE": "C.UTF-8"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script)],
+                         env=base, capture_output=True, text=True, timeout=120, check=True)
+    worker = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "TORCHELASTIC_USE_AGENT_STORE" in worker and "MASTER_PORT" in worker  # torchrun's, as the server saw
+    assert server_env(worker) == base

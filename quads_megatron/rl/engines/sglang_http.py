@@ -38,7 +38,7 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, urls: list[str], max_seq_len: int, weight_sync: str = "tensor", sync_dir: str | None = None,
                  timeout_s: float = 600.0, hf_config=None, tokenizer=None, router_url: str | None = None,
-                 bucket_bytes: int = 1 << 30, stacked_experts: bool = False):
+                 bucket_bytes: int = 1 << 30, stacked_experts: bool = True):
         import requests  # noqa: F401  (fail early with ImportError if missing)
 
         if not urls:
@@ -54,8 +54,8 @@ class SGLangEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.router_url = router_url.rstrip("/") if router_url else None
         self.bucket_bytes = bucket_bytes
-        # True: whole-layer expert tensors where allowed (`sends_stacked`); off by default until the H200
-        # has confirmed it on a running server (tools/sglang_h200.py --stages update times both)
+        # whole-layer expert tensors where the server allows them (`sends_stacked`): one loader call per
+        # FusedMoE parameter instead of one per expert (tools/sglang_h200.py --stages update times both)
         self.stacked_experts = stacked_experts
         if self.router_url:
             self._get(self.router_url, "/health", timeout=10)

@@ -18,6 +18,18 @@ SLIM_IMAGE_ENV = {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1", "SGLANG_IS_FLASHI
                   "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
 SLIM_IMAGE_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
 
+# What torchrun exports to its workers. The server is its own distributed program: with these inherited, torch
+# < 2.14 makes its process-group rendezvous a client of the torchrun agent's store (TORCHELASTIC_USE_AGENT_STORE)
+# at an address nobody serves, and the server hangs at "Init parallel begin" (seen on the H100 image, torch 2.11).
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) without the torchrun launch variables, for the server's process."""
+    env = dict(os.environ if env is None else env)
+    return {k: v for k, v in env.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+
 
 def export_rollout_checkpoint(policy, tokenizer, out_dir: str | os.PathLike,
                               calib_prompts: list[str] | None = None) -> Path:
@@ -74,7 +86,7 @@ def launch_server(model_path: str | os.PathLike, port: int, extra_args: list[str
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *quant,
            "--host", "127.0.0.1", "--port", str(port), *extra_args]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
