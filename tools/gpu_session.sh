@@ -29,12 +29,17 @@ NUM_PROMPTS=${NUM_PROMPTS:-64}
 RL_FLAGS=(--sft-iters 60 --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 16 --n-samples-per-prompt 8
           --eval-interval 10 --lr 2e-5)
 stage() { echo "=== $1 $(date +%T)"; }
-# SGLang's slim wheel set (tools/sglang_wheelhouse.sh -> .whl-sglang, carried), plus .whl (megatron-core,
-# transformers) when present, installed beside the image's torch; the server runs with SLIM_IMAGE_ENV.
+# megatron-core and transformers >= 5.19 from a carried .whl, beside the image's torch, for every stage
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sglang-site \
+      .whl/*.whl && export PYTHONPATH=".:/tmp/sglang-site:${PYTHONPATH:-}"
+fi
+# SGLang's slim wheel set (tools/sglang_wheelhouse.sh -> .whl-sglang, carried), installed beside the image's
+# torch; the server runs with SLIM_IMAGE_ENV.
 with_sglang() {
   [ -d .whl-sglang ] || { echo "no .whl-sglang: run tools/sglang_wheelhouse.sh and carry it"; return 1; }
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sglang-site \
-      .whl-sglang/*.whl $(ls .whl/*.whl 2>/dev/null) || return 1
+      .whl-sglang/*.whl || return 1
   export PYTHONPATH=".:/tmp/sglang-site"
   eval "$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ENV as e
 print(" ".join(f"export {k}={v};" for k, v in e.items()))')"
@@ -128,7 +133,9 @@ for s in "$@"; do
       if [ "$s" = sglang-grpo ]; then
         with_sglang || exit 1
         slim=$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS as a; print(" ".join(a))')
-        extra=(--sglang-launch --sglang-server-args "$slim --mem-fraction-static 0.3")
+        # prefill graphs off: SGLang captures 58 token counts up to 8192 by default, the first took 31 s on the H100
+        # (the call's limit ran out in the capture); rollouts are decode-bound and decode graphs stay on
+        extra=(--sglang-launch --sglang-server-args "$slim --mem-fraction-static 0.3 --disable-prefill-cuda-graph")
       fi
       torchrun --nproc-per-node 1 examples/train_grpo_moe.sh --hf-checkpoint "$CKPT" --bf16 --seq-length 48 \
           --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --use-rollout-routing-replay "${extra[@]}" \
