@@ -8,6 +8,8 @@ an HF checkpoint and exported by ``quads-export-rollout`` for each QUADS precisi
   update      a running w4a4 server takes new weights through the GRPO job's sync (``tensor``, CUDA tensors
               by IPC handle) and back through ``disk``; each time its outputs are compared with a server
               started fresh on those weights (no re-capture: the server's CUDA graphs replay)
+  profile     one decode batch (``--profile-batch``) on SGLang FP8 and each QUADS precision under SGLang's
+              profiler: GPU time per decode step, kernel by kernel (where a QUADS step loses to FP8)
   throughput  decode tokens/s and time per output token at batch 1, 8, 64, 256 (fixed input and output
               lengths, ignore_eos) for SGLang BF16, SGLang FP8 (--quantization fp8) and the QUADS precisions
 
@@ -194,6 +196,47 @@ def stage_baselines(args, work, result):
         save(result, args.out_json)
 
 
+def profile_decode(url: str, out_dir: Path, label: str, batch: int, in_len: int, steps: int) -> Path:
+    """SGLang's profiler over ``steps`` decode steps of one ``batch`` (CUDA graphs replaying); the trace's path."""
+    import requests
+
+    requests.post(url + "/start_profile", timeout=60, json={
+        "output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU"], "profile_by_stage": True,
+        "profile_stages": ["decode"], "with_stack": False, "record_shapes": False, "profile_prefix": label}).raise_for_status()
+    payload = {"input_ids": random_ids(batch, in_len, seed=3),
+               "sampling_params": {"max_new_tokens": steps + 8, "ignore_eos": True, "temperature": 0.0}}
+    requests.post(url + "/generate", json=payload, timeout=600).raise_for_status()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = sorted(p for p in out_dir.glob(f"{label}-*.trace.json.gz") if "decode" in p.name.lower())
+        if found:
+            time.sleep(2)  # the exporter may still be writing
+            return found[0]
+        time.sleep(1)
+    raise RuntimeError(f"no decode trace for {label} in {out_dir} after 120 s")
+
+
+def stage_profile(args, work, result):
+    from quads_megatron.apps.study.trace import kernel_times, per_step_table
+
+    servers = [("fp8", work / "hf", "fp8")] + [(p, work / f"rollout-{p}", "quads") for p in args.precisions]
+    traces, rows = {}, result.setdefault("profile", {})
+    for label, ckpt, quant in servers:
+        with server(ckpt, quant, args.port, work / f"server-profile-{label}.log", args.max_bs) as url:
+            rate = decode_rate(url, args.profile_batch, args.prompt_len, args.new_tokens, seed=args.profile_batch)
+            traces[label] = profile_decode(url, work / "traces", label, args.profile_batch, args.prompt_len,
+                                           args.profile_steps)
+        top = kernel_times(traces[label])
+        rows[label] = {"batch": args.profile_batch, "wall_ms_per_step": rate["ms_per_token"],
+                       "kernel_us_per_step": sum(k.total_us for k in top) / args.profile_steps,
+                       "top": [[k.name, k.calls / args.profile_steps, k.total_us / args.profile_steps]
+                               for k in top[:25]]}
+        print(f"  profile {label}: {rate['ms_per_token']:.2f} ms per decode step at batch {args.profile_batch}",
+              flush=True)
+        save(result, args.out_json)
+    print(per_step_table(traces, args.profile_steps))
+
+
 def layer_stream(src: Path, cfg: dict):
     """The HF checkpoint at ``src`` on the GPU as the GRPO job's layer stream: each layer's experts one
     ``ExpertsLayer`` of [E, 2F, H] / [E, H, F] stacks (as the trainer holds them), the rest as (name, tensor)."""
@@ -270,7 +313,7 @@ def print_throughput(rows: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stages", nargs="+", default=["agree", "baselines", "update"],
-                    choices=["agree", "baselines", "update"])
+                    choices=["agree", "baselines", "update", "profile"])
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--precisions", nargs="+", default=list(QUADS_PRECISIONS), choices=QUADS_PRECISIONS)
     ap.add_argument("--work-dir", default="/tmp/quads-sglang")
@@ -286,6 +329,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out-len", type=int, default=128)
     ap.add_argument("--max-bs", type=int, default=256, help="largest decode batch captured in a CUDA graph")
     ap.add_argument("--rac-channels", type=int, default=64)
+    ap.add_argument("--profile-batch", type=int, default=64, help="profile stage: the decode batch")
+    ap.add_argument("--profile-steps", type=int, default=16, help="profile stage: decode steps traced")
     args = ap.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -297,7 +342,7 @@ def main(argv=None) -> None:
         cfg = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "transformers_version"}
     else:
         cfg = make_checkpoint(work / "hf", args.num_layers, seed=1)
-    for p in args.precisions if "agree" in args.stages else []:
+    for p in args.precisions if {"agree", "profile"} & set(args.stages) else []:
         if not (work / f"rollout-{p}" / "config.json").exists():
             export(work / "hf", work / f"rollout-{p}", p, calib)
     if "update" in args.stages and not (work / "rollout-w4a4" / "config.json").exists():
@@ -309,6 +354,8 @@ def main(argv=None) -> None:
         stage_baselines(args, work, result)
     if "update" in args.stages:
         stage_update(args, work, cfg, calib, result)
+    if "profile" in args.stages:
+        stage_profile(args, work, result)
     save(result, args.out_json)
     print_throughput(result.get("throughput", {}))
     print(f"wrote {args.out_json} after {time.perf_counter() - t0:.0f} s")
