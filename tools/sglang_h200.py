@@ -209,9 +209,12 @@ def profile_decode(url: str, out_dir: Path, label: str, batch: int, in_len: int,
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         found = sorted(p for p in out_dir.glob(f"{label}-*.trace.json.gz") if "decode" in p.name.lower())
-        if found:
-            time.sleep(2)  # the exporter may still be writing
-            return found[0]
+        if found:  # done once its size holds for 2 s (the profiler may still be writing it)
+            size = found[0].stat().st_size
+            time.sleep(2)
+            if found[0].stat().st_size == size:
+                return found[0]
+            continue
         time.sleep(1)
     raise RuntimeError(f"no decode trace for {label} in {out_dir} after 120 s")
 
