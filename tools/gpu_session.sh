@@ -8,6 +8,8 @@
 #                                                        # share the GPU with the study's runs)
 #   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
+#   SGLANG_ARGS="--stages profile --precisions w4a4_rac" bash tools/gpu_session.sh sglang  # kernels per decode
+#                                                        # step, FP8 server against QUADS (batch 64)
 #   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
 #                                                        # then the same job with the local engine
 # Needs megatron-core (and transformers >= 5.19) importable; OUT (default runs/gpu) receives logs, JSON, PNG.
