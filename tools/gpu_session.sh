@@ -32,9 +32,11 @@ RL_FLAGS=(--sft-iters 60 --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 
           --eval-interval 10 --lr 2e-5)
 stage() { echo "=== $1 $(date +%T)"; }
 # megatron-core and transformers >= 5.19 from a carried .whl, beside the image's torch, for every stage
+# (once per machine: stability-wait is called again and again on the held one)
 if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sglang-site \
-      .whl/*.whl && export PYTHONPATH=".:/tmp/sglang-site:${PYTHONPATH:-}"
+  [ -d /tmp/sglang-site/megatron ] || $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/sglang-site .whl/*.whl
+  export PYTHONPATH=".:/tmp/sglang-site:${PYTHONPATH:-}"
 fi
 # SGLang's slim wheel set (tools/sglang_wheelhouse.sh -> .whl-sglang, carried), installed beside the image's
 # torch; the server runs with SLIM_IMAGE_ENV.
