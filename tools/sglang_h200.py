@@ -223,13 +223,13 @@ def stage_profile(args, work, result):
     from quads_megatron.apps.study.trace import kernel_times, per_step_table
 
     servers = [("fp8", work / "hf", "fp8")] + [(p, work / f"rollout-{p}", "quads") for p in args.precisions]
-    traces, rows = {}, result.setdefault("profile", {})
+    kernels, rows = {}, result.setdefault("profile", {})
     for label, ckpt, quant in servers:
         with server(ckpt, quant, args.port, work / f"server-profile-{label}.log", args.max_bs) as url:
             rate = decode_rate(url, args.profile_batch, args.prompt_len, args.new_tokens, seed=args.profile_batch)
-            traces[label] = profile_decode(url, work / "traces", label, args.profile_batch, args.prompt_len,
-                                           args.profile_steps)
-        top = kernel_times(traces[label])
+            trace = profile_decode(url, work / "traces", label, args.profile_batch, args.prompt_len,
+                                   args.profile_steps)
+        top = kernels[label] = kernel_times(trace)
         rows[label] = {"batch": args.profile_batch, "wall_ms_per_step": rate["ms_per_token"],
                        "kernel_us_per_step": sum(k.total_us for k in top) / args.profile_steps,
                        "top": [[k.name, k.calls / args.profile_steps, k.total_us / args.profile_steps]
@@ -237,7 +237,7 @@ def stage_profile(args, work, result):
         print(f"  profile {label}: {rate['ms_per_token']:.2f} ms per decode step at batch {args.profile_batch}",
               flush=True)
         save(result, args.out_json)
-    print(per_step_table(traces, args.profile_steps))
+    print(per_step_table(kernels, args.profile_steps))
 
 
 def layer_stream(src: Path, cfg: dict):

@@ -98,14 +98,9 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     _same_device(x, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2,
                  comp_index=comp, bias=bias, comp_weight=comp_weight if comp is not None else None)
     frag = _check_layout(weight_layout, weight=weight)
-    if frag and (resolve_backend(x.device, backend) == "torch" or
-                 (comp is not None and comp_weight is None)):
-        modelopt = from_fragment_order(weight)  # the reference (and per-call RAC columns) read it
-        if resolve_backend(x.device, backend) == "torch":
-            weight, frag = modelopt, False
-        else:
-            comp_weight = rac_weight_columns(modelopt, weight_scale, comp)
     if resolve_backend(x.device, backend) == "torch":
+        if frag:
+            weight = from_fragment_order(weight)
         return reference.w4a4_linear(x, weight, weight_scale, weight_scale_2, act_mode=act_mode,
                                      comp_index=comp_index, input_scale=input_scale, bias=bias,
                                      check_inputs=False)
@@ -128,8 +123,7 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     else:
         cols = None
         if comp is not None:
-            cols = (comp_weight if comp_weight is not None
-                    else rac_weight_columns(weight, weight_scale, comp))
+            cols = comp_weight if comp_weight is not None else _rac_columns(weight, weight_scale, comp, frag)
         qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
         r = None if comp is None else (qa.r_values, qa.r_s_dec)
         launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,

@@ -38,6 +38,6 @@ def test_per_step_table_divides_by_steps(tmp_path):
     trace.write_text('{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 30},'
                      '{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 30}, {"ph": "X", "cat": "kernel",'
                      ' "name": "quant", "dur": 6}, {"ph": "i", "cat": "kernel", "name": "mark"}]}')
-    table = per_step_table({"srv": trace}, steps=2)
+    table = per_step_table({"srv": kernel_times(trace)}, steps=2)
     assert "srv: 33.0 us of kernels per step, 2 launches" in table
     assert "gemm" in table.splitlines()[1] and "30.0 us" in table.splitlines()[1]

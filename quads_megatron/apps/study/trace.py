@@ -35,11 +35,11 @@ def kernel_times(trace: str | Path, category: str = "kernel") -> list[KernelTime
     return sorted(by_name.values(), key=lambda k: -k.total_us)
 
 
-def per_step_table(traces: dict[str, str | Path], steps: int, top: int = 12, width: int = 60) -> str:
-    """A text table: each trace's ``top`` kernels in microseconds per step (``steps`` profiled steps each)."""
+def per_step_table(kernels: dict[str, list[KernelTime]], steps: int, top: int = 12, width: int = 60) -> str:
+    """A text table: each trace's ``top`` kernels (``kernel_times`` of it) in microseconds per step
+    (``steps`` profiled steps each)."""
     lines = []
-    for label, trace in traces.items():
-        times = kernel_times(trace)
+    for label, times in kernels.items():
         total = sum(k.total_us for k in times) / steps
         lines.append(f"{label}: {total:.1f} us of kernels per step, {sum(k.calls for k in times) / steps:.0f} launches")
         for k in times[:top]:
