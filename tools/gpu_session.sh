@@ -8,7 +8,8 @@
 #                                                        # share the GPU with the study's runs)
 #   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
-#   SGLANG_ARGS="--stages profile --precisions w4a4_rac" bash tools/gpu_session.sh sglang  # kernels per decode
+#   PLUGIN_BENCH=0 SGLANG_ARGS="--stages profile --precisions w4a4_rac --max-bs 64 \
+#       --server-args=--disable-prefill-cuda-graph" bash tools/gpu_session.sh sglang  # kernels per decode
 #                                                        # step, FP8 server against QUADS (batch 64)
 #   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
 #                                                        # then the same job with the local engine
@@ -127,7 +128,8 @@ for s in "$@"; do
       stage sglang
       with_sglang || exit 1
       # one MoE layer's update through the quads loaders: per expert vs whole-layer tensors (load / process ms)
-      $PY tools/bench_sglang_plugin.py --update-only 2>&1 | grep -v -i warn | tail -4 || echo "bench_sglang_plugin failed"
+      [ "${PLUGIN_BENCH:-1}" = 1 ] && { $PY tools/bench_sglang_plugin.py --update-only 2>&1 | grep -v -i warn | tail -4 \
+          || echo "bench_sglang_plugin failed"; }
       $PY tools/sglang_h200.py --out-json "$OUT/sglang.json" ${SGLANG_ARGS:-} ;;
     sglang-grpo|grpo)
       # the main job on the pretrained preset with routing replay: SGLang rollouts (--sglang-launch, its
@@ -138,8 +140,10 @@ for s in "$@"; do
         with_sglang || exit 1
         slim=$($PY -c 'from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS as a; print(" ".join(a))')
         # prefill graphs off: SGLang captures 58 token counts up to 8192 by default, the first took 31 s on the H100
-        # (the call's limit ran out in the capture); rollouts are decode-bound and decode graphs stay on
-        extra=(--sglang-launch --sglang-server-args "$slim --mem-fraction-static 0.3 --disable-prefill-cuda-graph")
+        # (the call's limit ran out in the capture); rollouts are decode-bound and decode graphs stay on, up to the
+        # rollout batch (16 prompts x 8 samples)
+        extra=(--sglang-launch --sglang-server-args "$slim --mem-fraction-static 0.3 --disable-prefill-cuda-graph
+              --cuda-graph-max-bs-decode 128")
       fi
       torchrun --nproc-per-node 1 examples/train_grpo_moe.sh --hf-checkpoint "$CKPT" --bf16 --seq-length 48 \
           --max-new-tokens 16 --train-iters "$RL_ITERS" "${RL_FLAGS[@]}" --use-rollout-routing-replay "${extra[@]}" \

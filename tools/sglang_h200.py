@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -71,13 +72,14 @@ def export(hf: Path, out: Path, precision: str, calib: dict) -> Path:
 
 
 @contextlib.contextmanager
-def server(model: Path, quantization: str | None, port: int, log: Path, max_bs: int):
-    """A running SGLang server (yields its URL); stopped and its GPU memory released on exit."""
+def server(model: Path, quantization: str | None, port: int, log: Path, max_bs: int, extra: tuple = ()):
+    """A running SGLang server (yields its URL); stopped and its GPU memory released on exit. ``extra``: more
+    server flags (``--server-args``), after the tool's own."""
     from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS, SLIM_IMAGE_ENV, launch_server
 
     os.environ.update(SLIM_IMAGE_ENV)
     t0 = time.perf_counter()
-    url, proc = launch_server(model, port, SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(max_bs)],
+    url, proc = launch_server(model, port, SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(max_bs)] + list(extra),
                               log, quantization=quantization)
     print(f"  server {quantization or 'bf16'} on {model.name}: healthy after {time.perf_counter() - t0:.0f} s",
           flush=True)
@@ -175,7 +177,7 @@ def stage_agree(args, work, cfg, calib, result):
     rows = result.setdefault("agree", {})
     for p in args.precisions:
         ckpt = work / f"rollout-{p}"
-        with server(ckpt, "quads", args.port, work / f"server-{p}.log", args.max_bs) as url:
+        with server(ckpt, "quads", args.port, work / f"server-{p}.log", args.max_bs, args.server_args) as url:
             srv = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
             if args.throughput:
                 result.setdefault("throughput", {})[f"quads {p}"] = [
@@ -190,7 +192,7 @@ def stage_agree(args, work, cfg, calib, result):
 
 def stage_baselines(args, work, result):
     for name, quant in (("sglang bf16", None), ("sglang fp8", "fp8")):
-        with server(work / "hf", quant, args.port, work / f"server-{name.split()[1]}.log", args.max_bs) as url:
+        with server(work / "hf", quant, args.port, work / f"server-{name.split()[1]}.log", args.max_bs, args.server_args) as url:
             result.setdefault("throughput", {})[name] = [
                 decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
         save(result, args.out_json)
@@ -225,7 +227,7 @@ def stage_profile(args, work, result):
     servers = [("fp8", work / "hf", "fp8")] + [(p, work / f"rollout-{p}", "quads") for p in args.precisions]
     kernels, rows = {}, result.setdefault("profile", {})
     for label, ckpt, quant in servers:
-        with server(ckpt, quant, args.port, work / f"server-profile-{label}.log", args.max_bs) as url:
+        with server(ckpt, quant, args.port, work / f"server-profile-{label}.log", args.max_bs, args.server_args) as url:
             rate = decode_rate(url, args.profile_batch, args.prompt_len, args.new_tokens, seed=args.profile_batch)
             trace = profile_decode(url, work / "traces", label, args.profile_batch, args.prompt_len,
                                    args.profile_steps)
@@ -274,11 +276,11 @@ def stage_update(args, work, cfg, calib, result):
     max_len = args.prompt_len + args.new_tokens
     make_checkpoint(work / "hf2", args.num_layers, seed=2, scale=1.5)
     export(work / "hf2", work / f"rollout2-{p}", p, calib)
-    with server(work / f"rollout2-{p}", "quads", args.port, work / "server-fresh2.log", args.max_bs) as url:
+    with server(work / f"rollout2-{p}", "quads", args.port, work / "server-fresh2.log", args.max_bs, args.server_args) as url:
         fresh2 = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
     plan = QuantPlan.resolve(QuadsRecipe(rollout_precision=parse_precision(p)), qwen3_moe.dims_from_hf_config(cfg))
     out = {}
-    with server(work / f"rollout-{p}", "quads", args.port, work / "server-update.log", args.max_bs) as url:
+    with server(work / f"rollout-{p}", "quads", args.port, work / "server-update.log", args.max_bs, args.server_args) as url:
         before = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
         # per-expert names (SGLang's expert branch), back from disk, then whole-layer tensors (one loader call
         # per FusedMoE parameter): each compared with a fresh server on the same weights
@@ -334,6 +336,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rac-channels", type=int, default=64)
     ap.add_argument("--profile-batch", type=int, default=64, help="profile stage: the decode batch")
     ap.add_argument("--profile-steps", type=int, default=16, help="profile stage: decode steps traced")
+    ap.add_argument("--server-args", type=shlex.split, default=(),
+                    help="more flags for every server, one string (e.g. '--disable-prefill-cuda-graph')")
     args = ap.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
