@@ -72,15 +72,15 @@ def export(hf: Path, out: Path, precision: str, calib: dict) -> Path:
 
 
 @contextlib.contextmanager
-def server(model: Path, quantization: str | None, port: int, log: Path, max_bs: int, extra: tuple = ()):
-    """A running SGLang server (yields its URL); stopped and its GPU memory released on exit. ``extra``: more
-    server flags (``--server-args``), after the tool's own."""
+def server(model: Path, quantization: str | None, log: Path, args):
+    """A running SGLang server on ``args.port`` (yields its URL), decode graphs up to ``args.max_bs``, then
+    ``args.server_args``; stopped and its GPU memory released on exit."""
     from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS, SLIM_IMAGE_ENV, launch_server
 
     os.environ.update(SLIM_IMAGE_ENV)
     t0 = time.perf_counter()
-    url, proc = launch_server(model, port, SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(max_bs)] + list(extra),
-                              log, quantization=quantization)
+    flags = SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(args.max_bs), *args.server_args]
+    url, proc = launch_server(model, args.port, flags, log, quantization=quantization)
     print(f"  server {quantization or 'bf16'} on {model.name}: healthy after {time.perf_counter() - t0:.0f} s",
           flush=True)
     try:
@@ -177,7 +177,7 @@ def stage_agree(args, work, cfg, calib, result):
     rows = result.setdefault("agree", {})
     for p in args.precisions:
         ckpt = work / f"rollout-{p}"
-        with server(ckpt, "quads", args.port, work / f"server-{p}.log", args.max_bs, args.server_args) as url:
+        with server(ckpt, "quads", work / f"server-{p}.log", args) as url:
             srv = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
             if args.throughput:
                 result.setdefault("throughput", {})[f"quads {p}"] = [
@@ -192,7 +192,7 @@ def stage_agree(args, work, cfg, calib, result):
 
 def stage_baselines(args, work, result):
     for name, quant in (("sglang bf16", None), ("sglang fp8", "fp8")):
-        with server(work / "hf", quant, args.port, work / f"server-{name.split()[1]}.log", args.max_bs, args.server_args) as url:
+        with server(work / "hf", quant, work / f"server-{name.split()[1]}.log", args) as url:
             result.setdefault("throughput", {})[name] = [
                 decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
         save(result, args.out_json)
@@ -227,7 +227,7 @@ def stage_profile(args, work, result):
     servers = [("fp8", work / "hf", "fp8")] + [(p, work / f"rollout-{p}", "quads") for p in args.precisions]
     kernels, rows = {}, result.setdefault("profile", {})
     for label, ckpt, quant in servers:
-        with server(ckpt, quant, args.port, work / f"server-profile-{label}.log", args.max_bs, args.server_args) as url:
+        with server(ckpt, quant, work / f"server-profile-{label}.log", args) as url:
             rate = decode_rate(url, args.profile_batch, args.prompt_len, args.new_tokens, seed=args.profile_batch)
             trace = profile_decode(url, work / "traces", label, args.profile_batch, args.prompt_len,
                                    args.profile_steps)
@@ -276,11 +276,11 @@ def stage_update(args, work, cfg, calib, result):
     max_len = args.prompt_len + args.new_tokens
     make_checkpoint(work / "hf2", args.num_layers, seed=2, scale=1.5)
     export(work / "hf2", work / f"rollout2-{p}", p, calib)
-    with server(work / f"rollout2-{p}", "quads", args.port, work / "server-fresh2.log", args.max_bs, args.server_args) as url:
+    with server(work / f"rollout2-{p}", "quads", work / "server-fresh2.log", args) as url:
         fresh2 = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
     plan = QuantPlan.resolve(QuadsRecipe(rollout_precision=parse_precision(p)), qwen3_moe.dims_from_hf_config(cfg))
     out = {}
-    with server(work / f"rollout-{p}", "quads", args.port, work / "server-update.log", args.max_bs, args.server_args) as url:
+    with server(work / f"rollout-{p}", "quads", work / "server-update.log", args) as url:
         before = greedy(SGLangEngine([url], max_len), prompts, args.new_tokens)
         # per-expert names (SGLang's expert branch), back from disk, then whole-layer tensors (one loader call
         # per FusedMoE parameter): each compared with a fresh server on the same weights
