@@ -39,6 +39,7 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.layers.utils import copy_or_rebind_param
 from sglang.srt.utils.common import set_weight_attrs
 
+from sglang_ext import dummy_weights
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
 from quads_megatron.kernels import w4a4_linear
@@ -254,6 +255,12 @@ class QuadsLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = self.prefix or type(layer).__name__
         shards = len(layer.logical_widths)
+        if not layer.quads_slices.written and dummy_weights.requested():  # --load-format dummy: nothing read
+            dummy_weights.fill_linear(layer, self.rollout, name)
+            for pname in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+                layer.quads_slices.mark(pname, range(shards))
+            if layer.quads_weight_layout != "modelopt":
+                layer.quads_fresh.mark([0], 0, layer.weight.shape[0])
         self._check_complete(layer)
         ws2 = layer.weight_scale_2.detach()
         if self.rollout.static_activation_scale:

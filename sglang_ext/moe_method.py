@@ -45,7 +45,7 @@ from sglang.srt.utils.common import set_weight_attrs
 
 from sglang_ext.checkpoint_format import (SliceLog, as_block_scale, check_comp_index, check_packed_codes,
                                           check_tensor_scale, checked_loader)
-from sglang_ext import bf16_sync, stacked_load
+from sglang_ext import bf16_sync, dummy_weights, stacked_load
 from quads_megatron.kernels import w4a4_fused_moe
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 
@@ -300,6 +300,11 @@ class QuadsMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = self.prefix or "FusedMoE"
+        if not layer.quads_slices.written and dummy_weights.requested():  # --load-format dummy: nothing read
+            dummy_weights.fill_moe(layer, self.rollout, name)
+            for pname in _TRACKED:
+                mark_written(layer, pname, [(e, sid) for e in range(layer.num_local_experts)
+                                            for sid in (FC1_SHARDS if pname.startswith("w13") else ("w2",))])
         bf16_sync.quantize_staged(layer, _local_slots, self.tensor_name, FC1_SHARDS)
         self._check_complete(layer)
         ws13 = layer.w13_weight_scale_2.detach()

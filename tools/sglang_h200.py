@@ -12,6 +12,10 @@ an HF checkpoint and exported by ``quads-export-rollout`` for each QUADS precisi
               profiler: GPU time per decode step, kernel by kernel (where a QUADS step loses to FP8)
   throughput  decode tokens/s and time per output token at batch 1, 8, 64, 256 (fixed input and output
               lengths, ignore_eos) for SGLang BF16, SGLang FP8 (--quantization fp8) and the QUADS precisions
+              (measured inside the agree and baselines stages)
+  speed       the same throughput table, plus the profile stage's kernels per decode step at
+              ``--profile-batch``, on dummy weights (``--load-format dummy``: config.json only, no checkpoint
+              written or read), so every server of a deep model starts in seconds and all 48 layers fit
 
 Needs SGLang importable (``tools/sglang_wheelhouse.sh`` builds the wheel set; ``tools/gpu_session.sh
 sglang`` installs it and runs this). Writes one JSON (``--out-json``) and prints a table per stage.
@@ -39,13 +43,18 @@ VOCAB = 32768
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def model_config(num_layers: int) -> dict:
+    """HF config dict of the benchmark's Qwen3-MoE: 30B-A3B layer dims, ``num_layers`` layers, vocab 32768."""
+    from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_config
+
+    return hf_qwen3_moe_config_dict(qwen3_moe_config("qwen3-30b-a3b", num_layers=num_layers), VOCAB, 4096)
+
+
 def make_checkpoint(path: Path, num_layers: int, seed: int, scale: float = 1.0) -> dict:
     """Save a random BF16 Qwen3-MoE (30B-A3B layer dims) at ``path``; return its config dict."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from quads_megatron.megatron.presets import hf_qwen3_moe_config_dict, qwen3_moe_config
-
-    cfg = hf_qwen3_moe_config_dict(qwen3_moe_config("qwen3-30b-a3b", num_layers=num_layers), VOCAB, 4096)
+    cfg = model_config(num_layers)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16)
@@ -71,15 +80,36 @@ def export(hf: Path, out: Path, precision: str, calib: dict) -> Path:
     return out
 
 
+def dummy_model(work: Path, cfg: dict, precision: str | None, rac_channels: int) -> Path:
+    """A model directory holding config.json alone, for ``--load-format dummy``; with a QUADS precision, the
+    ``quantization_config`` its export would write, from the same plan (no producer: no manifest to verify)."""
+    from transformers import Qwen3MoeConfig
+
+    from quads_megatron.models import qwen3_moe
+    from quads_megatron.plan import QuantPlan
+    from quads_megatron.recipe import QuadsRecipe
+    from quads_megatron.vocab import parse_precision
+
+    out = work / f"dummy-{precision or 'bf16'}"
+    conf = Qwen3MoeConfig(**cfg, torch_dtype="bfloat16")
+    if precision is not None:
+        recipe = QuadsRecipe(rollout_precision=parse_precision(precision), rac_channels=rac_channels)
+        plan = QuantPlan.resolve(recipe, qwen3_moe.dims_from_hf_config(cfg))
+        conf.quantization_config = plan.rollout_config().to_quantization_config()
+    conf.save_pretrained(out)
+    return out
+
+
 @contextlib.contextmanager
-def server(model: Path, quantization: str | None, log: Path, args):
+def server(model: Path, quantization: str | None, log: Path, args, extra=()):
     """A running SGLang server on ``args.port`` (yields its URL), decode graphs up to ``args.max_bs``, then
-    ``args.server_args``; stopped and its GPU memory released on exit."""
+    ``args.server_args`` and ``extra``; stopped and its GPU memory released on exit."""
     from quads_megatron.rl.engines.sglang_launch import SLIM_IMAGE_ARGS, SLIM_IMAGE_ENV, launch_server
 
     os.environ.update(SLIM_IMAGE_ENV)
     t0 = time.perf_counter()
-    flags = SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(args.max_bs), *args.server_args]
+    flags = SLIM_IMAGE_ARGS + SERVER_FLAGS + ["--cuda-graph-max-bs-decode", str(args.max_bs), *args.server_args,
+                                              *extra]
     url, proc = launch_server(model, args.port, flags, log, quantization=quantization)
     print(f"  server {quantization or 'bf16'} on {model.name}: healthy after {time.perf_counter() - t0:.0f} s",
           flush=True)
@@ -242,6 +272,46 @@ def stage_profile(args, work, result):
     print(per_step_table(kernels, args.profile_steps))
 
 
+def stage_speed(args, work, cfg, result):
+    """Every server on dummy weights: decode throughput at ``--batches``, then (``--profile-batch`` > 0) one
+    profiled decode batch; the throughput table and the kernels per decode step, FP8 against each QUADS."""
+    from quads_megatron.apps.study.trace import per_step_table
+
+    quads = [(f"quads {p}", "quads", p) for p in args.precisions]
+    servers = quads[:1] + [("sglang fp8", "fp8", None), ("sglang bf16", None, None)] + quads[1:]
+    rows, prof, kernels = result.setdefault("speed", {}), result.setdefault("speed_profile", {}), {}
+    for label, quant, precision in servers:
+        model = dummy_model(work, cfg, precision, args.rac_channels)
+        log = work / f"server-speed-{label.split()[1]}.log"
+        try:
+            measure_speed(args, work, model, quant, log, label, rows, prof, kernels)
+        except Exception as exc:  # one server failing (memory, start-up) leaves the others' rows
+            result.setdefault("speed_errors", {})[label] = repr(exc)
+            print(f"  {label} failed: {exc!r}; its log: {log}", flush=True)
+        save(result, args.out_json)
+    print_throughput(rows)
+    if kernels:
+        print(per_step_table(kernels, args.profile_steps))
+
+
+def measure_speed(args, work, model, quant, log, label, rows, prof, kernels) -> None:
+    """One dummy-weight server: its throughput rows and (``--profile-batch``) its decode kernels."""
+    from quads_megatron.apps.study.trace import kernel_times
+
+    with server(model, quant, log, args, extra=["--load-format", "dummy"]) as url:
+        rows[label] = [decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
+        print(f"  {label}: " + ", ".join(f"B={r['batch']} {r['tokens_per_s']:.0f} tok/s" for r in rows[label]),
+              flush=True)
+        if args.profile_batch:
+            tag = label.split()[1]
+            trace = profile_decode(url, work / "traces", f"speed-{tag}", args.profile_batch, args.in_len,
+                                   args.profile_steps)
+            top = kernels[tag] = kernel_times(trace)
+            prof[tag] = {"batch": args.profile_batch, "kernel_us_per_step": sum(k.total_us for k in top) / args.profile_steps,
+                         "top": [[k.name, k.calls / args.profile_steps, k.total_us / args.profile_steps]
+                                 for k in top[:25]]}
+
+
 def layer_stream(src: Path, cfg: dict):
     """The HF checkpoint at ``src`` on the GPU as the GRPO job's layer stream: each layer's experts one
     ``ExpertsLayer`` of [E, 2F, H] / [E, H, F] stacks (as the trainer holds them), the rest as (name, tensor)."""
@@ -318,7 +388,7 @@ def print_throughput(rows: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stages", nargs="+", default=["agree", "baselines", "update"],
-                    choices=["agree", "baselines", "update", "profile"])
+                    choices=["agree", "baselines", "update", "profile", "speed"])
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--precisions", nargs="+", default=list(QUADS_PRECISIONS), choices=QUADS_PRECISIONS)
     ap.add_argument("--work-dir", default="/tmp/quads-sglang")
@@ -345,7 +415,9 @@ def main(argv=None) -> None:
     result = {"gpu": torch.cuda.get_device_name(), "num_layers": args.num_layers, "vocab": VOCAB, "args": vars(args)}
     t0 = time.perf_counter()
     cfg_path = work / "hf" / "config.json"
-    if cfg_path.exists() and json.loads(cfg_path.read_text())["num_hidden_layers"] == args.num_layers:
+    if set(args.stages) <= {"speed"}:  # dummy weights: no checkpoint
+        cfg = model_config(args.num_layers)
+    elif cfg_path.exists() and json.loads(cfg_path.read_text())["num_hidden_layers"] == args.num_layers:
         cfg = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "transformers_version"}
     else:
         cfg = make_checkpoint(work / "hf", args.num_layers, seed=1)
@@ -363,6 +435,8 @@ def main(argv=None) -> None:
         stage_update(args, work, cfg, calib, result)
     if "profile" in args.stages:
         stage_profile(args, work, result)
+    if "speed" in args.stages:
+        stage_speed(args, work, cfg, result)
     save(result, args.out_json)
     print_throughput(result.get("throughput", {}))
     print(f"wrote {args.out_json} after {time.perf_counter() - t0:.0f} s")
