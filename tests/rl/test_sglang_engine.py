@@ -180,6 +180,22 @@ def test_tensor_sync_buckets_keep_every_tensor_bitwise_and_aligned(servers):
         assert torch.equal(t.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), name
 
 
+def test_sync_stream_of_mixed_devices_goes_out_on_one():
+    """The GRPO job's calibrated sync: weights on the accelerator, then the calibration's host-side input scales
+    and RAC channels; one flat bucket is one tensor, so everything joins the weights' device, values intact
+    (found on the H100: FlattenedTensorBucket's cat refused a bucket of CUDA and CPU tensors)."""
+    from quads_megatron.rl.engines.sglang_http import on_one_device
+
+    weights = torch.randint(0, 255, (4, 8), dtype=torch.uint8).to("meta")  # stands for the GPU
+    scale, comp = torch.tensor(0.25), torch.tensor([1, 5, 9], dtype=torch.int32)
+    out = on_one_device([("w.weight", weights), ("w.input_scale", scale), ("w.input_comp_index", comp)])
+    assert [t.device.type for _, t in out] == ["meta"] * 3
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in out] == [
+        ("w.weight", torch.uint8, (4, 8)), ("w.input_scale", torch.float32, ()), ("w.input_comp_index", torch.int32, (3,))]
+    host = on_one_device([("a", scale), ("b", comp)])  # all on the host: unchanged
+    assert host[0][1] is scale and host[1][1] is comp
+
+
 def test_failed_update_raises_and_still_closes_session(servers, tmp_path):
     s = servers(fail_update=True)
     eng = SGLangEngine([s.url], max_seq_len=32, weight_sync="disk", sync_dir=str(tmp_path))

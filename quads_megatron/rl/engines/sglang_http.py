@@ -202,6 +202,7 @@ class SGLangEngine(RolloutEngine):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+        named = on_one_device(named)
         if any(t.is_cuda for _, t in named):
             monkey_patch_torch_reductions()  # CUDA IPC handles that name the device by UUID, as SGLang expects
         buckets = flat_buckets(named, self.bucket_bytes)
@@ -237,6 +238,14 @@ class SGLangEngine(RolloutEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def on_one_device(named: list) -> list:
+    """The pairs on one device, the first accelerator's among them (else the host): a bucket is one flat tensor,
+    and a sync stream mixes the weights on the GPU with the calibration's host-side input scales and RAC
+    channel sets (bytes), which move to the weights' device."""
+    device = next((t.device for _, t in named if t.device.type != "cpu"), torch.device("cpu"))
+    return [(k, t if t.device == device else t.to(device)) for k, t in named]
 
 
 def flat_buckets(named: list, bucket_bytes: int) -> list[list]:
