@@ -17,11 +17,11 @@ from quads_megatron.rl.engines.sglang_http import SGLangEngine, SGLangError
 
 
 class _Server:
-    def __init__(self, fail_update=False, tp_size=1, routes=None, quantization=None):
-        """routes: (layers, top_k) to answer meta_info.routed_experts as SGLang's detokenizer encodes it;
-        quantization: the server's --quantization, as /get_server_info reports it."""
+    def __init__(self, fail_update=False, tp_size=1, routes=None, quantization=None, num_experts=64):
+        """routes: (layers, top_k) to answer meta_info.routed_experts as SGLang's detokenizer encodes it (ids
+        drawn from ``num_experts``); quantization: the server's --quantization, as /get_server_info reports it."""
         self.calls, self.fail_update, self.tp_size, self.received = [], fail_update, tp_size, []
-        self.quantization = quantization
+        self.quantization, self.num_experts = quantization, num_experts
         self.routes, self.sent_routes = routes, []
         owner = self
 
@@ -54,7 +54,9 @@ class _Server:
                         import pybase64
 
                         for o, ids in zip(outs, body["input_ids"]):
-                            t = torch.randint(0, 64, (len(ids) + n - 1, *owner.routes), dtype=torch.int32)
+                            t = torch.stack([torch.randperm(owner.num_experts)[:owner.routes[1]].int()
+                                             for _ in range((len(ids) + n - 1) * owner.routes[0])])
+                            t = t.view(len(ids) + n - 1, *owner.routes)  # distinct experts per top-k set
                             owner.sent_routes.append(t)  # SGLang's detokenizer: b64 of the int32 bytes
                             o["meta_info"]["routed_experts"] = pybase64.b64encode(t.numpy().tobytes()).decode("utf-8")
                     return self._reply(outs)
