@@ -56,8 +56,10 @@ def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in list(ptrs) + list(ALIGNED)}
     src = ASTSource(fn=kern, signature=sig,
                     constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_regs is not None:
+        opts["maxnreg"] = cfg.max_regs
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:
@@ -139,8 +141,9 @@ def main() -> None:
     ap.add_argument("--w4a16", action="store_true", help="the W4A16 form (bf16 activations)")
     ap.add_argument("--rac", action="store_true", help="also the RAC form (K-steps over stored fp16 columns)")
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per row")
+    ap.add_argument("--max-regs", type=int, default=None, help="GemmConfig.max_regs (Triton's maxnreg) of every tile")
     args = ap.parse_args()
-    cfgs = [GemmConfig(*c[:5], 8, bool(c[5])) for c in args.config or [(16, 64, 128, 4, 4, 1)]]
+    cfgs = [GemmConfig(*c[:5], 8, bool(c[5]), max_regs=args.max_regs) for c in args.config or [(16, 64, 128, 4, 4, 1)]]
     import triton
 
     print(f"triton {triton.__version__}, sm_90")

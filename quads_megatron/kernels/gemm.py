@@ -385,6 +385,7 @@ class GemmConfig(NamedTuple):
     group_m: int = 8
     swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
     split_k: int = 1  # dense only: K split over this many programs per tile, fp32 partials summed
+    max_regs: Optional[int] = None  # Triton's maxnreg: a register cap per thread (more CTAs per SM), None: ptxas'
 
 
 def interpreting() -> bool:
@@ -537,7 +538,8 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         FRAG=fragment_layout, FRAG_ASM=fragment_layout and not interpreting(),
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({} if config.max_regs is None else {"maxnreg": config.max_regs}))
     if split > 1:
         topk_sum(c, split, out=out)
     return out
