@@ -4,12 +4,14 @@ Checks what the engine sends (generate payload, begin/update/end weight-update o
 safetensors) and how it reads responses and errors; the real server is exercised on GPU.
 """
 
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from quads_megatron.rl.engines.base import SamplingParams
@@ -81,6 +83,25 @@ class _Server:
 
     def paths(self):
         return [p for p, _ in self.calls]
+
+
+@contextlib.contextmanager
+def trainer_against(server: _Server, argv: list):
+    """The GRPO trainer of ``argv`` (rollouts from ``server``); afterwards the trainer closed, the server shut
+    down and the process group destroyed, whatever happened."""
+    from quads_megatron.rl.arguments import parse_args
+    from quads_megatron.rl.loop import GRPOTrainer
+
+    try:
+        trainer = GRPOTrainer(parse_args(argv))
+        try:
+            yield trainer
+        finally:
+            trainer.close()
+    finally:
+        server.httpd.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -7,9 +7,8 @@ server (tools/gpu_session.sh sglang-grpo) is this loop; here its plumbing is che
 """
 
 import pytest
-import torch.distributed as dist
 
-from test_sglang_engine import _Server  # noqa: E402 (this directory is on sys.path under pytest)
+from test_sglang_engine import _Server, trainer_against  # noqa: E402 (this directory is on sys.path under pytest)
 from tiny_flags import TINY
 
 pytest.importorskip("sglang", reason="SGLang is not installed (the wire format's bucket class)")
@@ -18,24 +17,12 @@ LAYERS, TOPK, EXPERTS = 2, 2, 4  # the tiny preset
 
 
 def test_grpo_steps_with_sglang_rollouts_and_routing_replay(tmp_path):
-    from quads_megatron.rl.arguments import parse_args
-    from quads_megatron.rl.loop import GRPOTrainer
-
     server = _Server(routes=(LAYERS, TOPK), num_experts=EXPERTS, quantization="quads")
     steps = 2
-    try:
-        args = parse_args(TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--rollout-engine", "sglang",
-                                  "--sglang-url", server.url, "--use-rollout-routing-replay",
-                                  "--train-iters", str(steps), "--eval-interval", "100"])
-        trainer = GRPOTrainer(args)
-        try:
-            summary = trainer.run()
-        finally:
-            trainer.close()
-    finally:
-        server.httpd.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with trainer_against(server, TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--rollout-engine", "sglang",
+                                         "--sglang-url", server.url, "--use-rollout-routing-replay",
+                                         "--train-iters", str(steps), "--eval-interval", "100"]) as trainer:
+        summary = trainer.run()
     paths = server.paths()
     # the first sync before any rollout, then one per optimizer step; each bracketed
     assert paths.count("/begin_weight_update") == paths.count("/end_weight_update") >= steps + 1

@@ -8,9 +8,8 @@ trainer's calibration prompts.
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from test_sglang_engine import _Server  # noqa: E402 (this directory is on sys.path under pytest)
+from test_sglang_engine import _Server, trainer_against  # noqa: E402 (this directory is on sys.path under pytest)
 from tiny_flags import TINY
 
 pytest.importorskip("sglang", reason="SGLang is not installed (the wire format's bucket class)")
@@ -36,36 +35,24 @@ def _per_expert(received: dict) -> dict:
 
 @pytest.mark.parametrize("scaling,quantization", [("per_token", None), ("static", None), ("static", "quads")])
 def test_sglang_sync_sends_the_local_engines_calibration(tmp_path, scaling, quantization):
-    from quads_megatron.rl.arguments import parse_args
+    from quads_megatron.plan import quantize_named_params
     from quads_megatron.rl.engines.local import LocalEngine
-    from quads_megatron.rl.loop import GRPOTrainer
 
     server = _Server(quantization=quantization)
-    try:
-        args = parse_args(TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--rollout-engine", "sglang",
-                                  "--sglang-url", server.url, "--rollout-precision", "w4a4_rac", "--rac-channels", "16",
-                                  "--activation-scaling", scaling])
-        trainer = GRPOTrainer(args)
-        try:
-            trainer.sync_weights()
-            received = {n: t for bucket in server.received for (payload,) in [bucket] for n, t in payload}
-            whole = [n for n in received if ".experts.w" in n]
-            # a quads server of tp_size 1 takes each layer's experts whole (the job's default), any other per expert
-            assert bool(whole) == (quantization == "quads"), whole[:4]
-            received = _per_expert(received)
-            local = LocalEngine(trainer.policy.hf_config(), trainer.policy.plan, max_seq_len=32, device="cpu",
-                                dtype=torch.float32)
-            local.update_weights(trainer.policy.hf_weights())
-            local.calibrate(trainer.calibration_prompts())
-            from quads_megatron.plan import quantize_named_params
-
-            sent_weights = dict(quantize_named_params(trainer.policy.hf_weights(), trainer.policy.plan))
-        finally:
-            trainer.close()
-    finally:
-        server.httpd.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with trainer_against(server, TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--rollout-engine", "sglang",
+                                         "--sglang-url", server.url, "--rollout-precision", "w4a4_rac",
+                                         "--rac-channels", "16", "--activation-scaling", scaling]) as trainer:
+        trainer.sync_weights()
+        received = {n: t for bucket in server.received for (payload,) in [bucket] for n, t in payload}
+        whole = [n for n in received if ".experts.w" in n]
+        # a quads server of tp_size 1 takes each layer's experts whole (the job's default), any other per expert
+        assert bool(whole) == (quantization == "quads"), whole[:4]
+        received = _per_expert(received)
+        local = LocalEngine(trainer.policy.hf_config(), trainer.policy.plan, max_seq_len=32, device="cpu",
+                            dtype=torch.float32)
+        local.update_weights(trainer.policy.hf_weights())
+        local.calibrate(trainer.calibration_prompts())
+        sent_weights = dict(quantize_named_params(trainer.policy.hf_weights(), trainer.policy.plan))
     want = dict(local.rollout.activation_tensors())
     plan = trainer.policy.plan
     quantized = [t for t in plan if t.quantized]
