@@ -88,6 +88,12 @@ def _weight_rows(layer: torch.nn.Module, pname: str, shard_id: str) -> tuple:
     return (0, n) if shard_id == "w2" else ((0, n // 2) if _SHARD_COLUMN[shard_id] == 0 else (n // 2, n))
 
 
+def every_slot(layer: torch.nn.Module, pname: str) -> list:
+    """All (local expert, shard) slots of `pname`: gate (w1) and up (w3) of w13, w2 of w2."""
+    sids = FC1_SHARDS if pname.startswith("w13") else ("w2",)
+    return [(e, sid) for e in range(layer.num_local_experts) for sid in sids]
+
+
 def mark_written(layer: torch.nn.Module, pname: str, slots) -> None:
     """Record (local expert, shard) slices of `pname` a load wrote: for the check of what the first load
     missed (`quads_slices`) and, for the codes in the kernel layout, the rows to convert once (`quads_fresh`)."""
@@ -254,8 +260,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         loaded = stacked_load.checked_stacked(name, pname, param, loaded, h if pname.startswith("w13") else f)
         param.data.copy_(loaded)
         if pname in _TRACKED:
-            mark_written(layer, pname, [(e, sid) for e in range(layer.num_local_experts)
-                                        for sid in (FC1_SHARDS if pname.startswith("w13") else ("w2",))])
+            mark_written(layer, pname, every_slot(layer, pname))
 
     def _global_id(self, layer: torch.nn.Module, local: int) -> int:
         return local + layer.moe_ep_rank * layer.num_local_experts
@@ -271,8 +276,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         """Every local expert's tensors were written by some load (else: uninitialized memory)."""
         e = layer.num_local_experts
         for pname in _TRACKED:
-            sids = FC1_SHARDS if pname.startswith("w13") else ("w2",)
-            missing = layer.quads_slices.missing(pname, [(i, sid) for i in range(e) for sid in sids])
+            missing = layer.quads_slices.missing(pname, every_slot(layer, pname))
             if missing:
                 raise CheckpointError(f"{self._names(layer, missing, pname)}: missing from the checkpoint")
         for pname, sids in (("w13_weight_scale_2", FC1_SHARDS), ("w2_weight_scale_2", ("w2",))):
@@ -303,8 +307,7 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         if not layer.quads_slices.written and dummy_weights.requested():  # --load-format dummy: nothing read
             dummy_weights.fill_moe(layer, self.rollout, name)
             for pname in _TRACKED:
-                mark_written(layer, pname, [(e, sid) for e in range(layer.num_local_experts)
-                                            for sid in (FC1_SHARDS if pname.startswith("w13") else ("w2",))])
+                mark_written(layer, pname, every_slot(layer, pname))
         bf16_sync.quantize_staged(layer, _local_slots, self.tensor_name, FC1_SHARDS)
         self._check_complete(layer)
         ws13 = layer.w13_weight_scale_2.detach()

@@ -251,6 +251,13 @@ def profile_decode(url: str, out_dir: Path, label: str, batch: int, in_len: int,
     raise RuntimeError(f"no decode trace for {label} in {out_dir} after 120 s")
 
 
+def kernel_summary(top: list, args) -> dict:
+    """A profiled decode batch's record: GPU kernel time per step and the 25 largest kernels (calls, us per step)."""
+    steps = args.profile_steps
+    return {"batch": args.profile_batch, "kernel_us_per_step": sum(k.total_us for k in top) / steps,
+            "top": [[k.name, k.calls / steps, k.total_us / steps] for k in top[:25]]}
+
+
 def stage_profile(args, work, result):
     from quads_megatron.apps.study.trace import kernel_times, per_step_table
 
@@ -262,10 +269,7 @@ def stage_profile(args, work, result):
             trace = profile_decode(url, work / "traces", label, args.profile_batch, args.prompt_len,
                                    args.profile_steps)
         top = kernels[label] = kernel_times(trace)
-        rows[label] = {"batch": args.profile_batch, "wall_ms_per_step": rate["ms_per_token"],
-                       "kernel_us_per_step": sum(k.total_us for k in top) / args.profile_steps,
-                       "top": [[k.name, k.calls / args.profile_steps, k.total_us / args.profile_steps]
-                               for k in top[:25]]}
+        rows[label] = {"wall_ms_per_step": rate["ms_per_token"], **kernel_summary(top, args)}
         print(f"  profile {label}: {rate['ms_per_token']:.2f} ms per decode step at batch {args.profile_batch}",
               flush=True)
         save(result, args.out_json)
@@ -281,35 +285,39 @@ def stage_speed(args, work, cfg, result):
     servers = quads[:1] + [("sglang fp8", "fp8", None), ("sglang bf16", None, None)] + quads[1:]
     rows, prof, kernels = result.setdefault("speed", {}), result.setdefault("speed_profile", {}), {}
     for label, quant, precision in servers:
-        model = dummy_model(work, cfg, precision, args.rac_channels)
-        log = work / f"server-speed-{label.split()[1]}.log"
+        tag = label.split()[1]
+        log = work / f"server-speed-{tag}.log"
         try:
-            measure_speed(args, work, model, quant, log, label, rows, prof, kernels)
+            rows[label], top = measure_speed(args, work, dummy_model(work, cfg, precision, args.rac_channels),
+                                             quant, log, tag)
         except Exception as exc:  # one server failing (memory, start-up) leaves the others' rows
             result.setdefault("speed_errors", {})[label] = repr(exc)
             print(f"  {label} failed: {exc!r}; its log: {log}", flush=True)
+            save(result, args.out_json)
+            continue
+        print(f"  {label}: " + ", ".join(f"B={r['batch']} {r['tokens_per_s']:.0f} tok/s" for r in rows[label]),
+              flush=True)
+        if top is not None:
+            kernels[tag] = top
+            prof[tag] = kernel_summary(top, args)
         save(result, args.out_json)
     print_throughput(rows)
     if kernels:
         print(per_step_table(kernels, args.profile_steps))
 
 
-def measure_speed(args, work, model, quant, log, label, rows, prof, kernels) -> None:
-    """One dummy-weight server: its throughput rows and (``--profile-batch``) its decode kernels."""
+def measure_speed(args, work, model, quant, log, tag) -> tuple:
+    """One dummy-weight server: (throughput rows at ``--batches``, its decode kernels at ``--profile-batch``
+    or None)."""
     from quads_megatron.apps.study.trace import kernel_times
 
     with server(model, quant, log, args, extra=["--load-format", "dummy"]) as url:
-        rows[label] = [decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
-        print(f"  {label}: " + ", ".join(f"B={r['batch']} {r['tokens_per_s']:.0f} tok/s" for r in rows[label]),
-              flush=True)
-        if args.profile_batch:
-            tag = label.split()[1]
-            trace = profile_decode(url, work / "traces", f"speed-{tag}", args.profile_batch, args.in_len,
-                                   args.profile_steps)
-            top = kernels[tag] = kernel_times(trace)
-            prof[tag] = {"batch": args.profile_batch, "kernel_us_per_step": sum(k.total_us for k in top) / args.profile_steps,
-                         "top": [[k.name, k.calls / args.profile_steps, k.total_us / args.profile_steps]
-                                 for k in top[:25]]}
+        rows = [decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
+        if not args.profile_batch:
+            return rows, None
+        trace = profile_decode(url, work / "traces", f"speed-{tag}", args.profile_batch, args.in_len,
+                               args.profile_steps)
+    return rows, kernel_times(trace)
 
 
 def layer_stream(src: Path, cfg: dict):

@@ -41,14 +41,25 @@ class Routing(NamedTuple):
 
 
 @triton.jit
+def _chunk_counts(e, experts):
+    """Rows of a chunk (expert ids e, masked rows = E) routed to each of `experts`."""
+    return tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _chunk_ranks(e, i):
+    """Each row's rank among the chunk's earlier rows with its expert (the stable order within a chunk)."""
+    return tl.sum(((e[:, None] == e[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.constexpr):
     """counts[c, e] = rows of chunk c routed to expert e."""
     c = tl.program_id(0)
     idx = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + idx, mask=idx < M, other=E)
     experts = tl.arange(0, E_POW)
-    n = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + c * E + experts, n, mask=experts < E)
+    tl.store(counts_ptr + c * E + experts, _chunk_counts(e, experts), mask=experts < E)
 
 
 @triton.jit
@@ -90,10 +101,8 @@ def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, npost_ptr, so
         idx = pid * CHUNK + i
         valid = idx < M
         e = tl.load(ids_ptr + idx, mask=valid, other=E)
-        earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
         base = tl.load(base_ptr + pid * E + e, mask=valid, other=0)
-        tl.store(sorted_ptr + base + rank, idx, mask=valid)
+        tl.store(sorted_ptr + base + _chunk_ranks(e, i), idx, mask=valid)
     experts = tl.arange(0, E_POW)
     emask = experts < E
     start = tl.load(starts_ptr + experts, mask=emask, other=0)
@@ -131,8 +140,7 @@ def _align_one_program_kernel(ids_ptr, M, E, sorted_ptr, expert_ids_ptr, npost_p
     i = tl.arange(0, CHUNK)
     total = tl.zeros((E_POW,), tl.int32)
     for c in range(0, NC):
-        e = tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < M, other=E)
-        total += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        total += _chunk_counts(tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < M, other=E), experts)
     padded = tl.where(emask, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     start = tl.cumsum(padded, axis=0) - padded
     npost = tl.sum(padded, axis=0)
@@ -142,11 +150,9 @@ def _align_one_program_kernel(ids_ptr, M, E, sorted_ptr, expert_ids_ptr, npost_p
         idx = c * CHUNK + i
         valid = idx < M
         e = tl.load(ids_ptr + idx, mask=valid, other=E)
-        onehot = e[:, None] == experts[None, :]
-        rank = tl.sum(((e[:, None] == e[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-        base = tl.sum(tl.where(onehot, running[None, :], 0), axis=1)
-        tl.store(sorted_ptr + base + rank, idx, mask=valid)
-        running += tl.sum(onehot.to(tl.int32), axis=0)
+        base = tl.sum(tl.where(e[:, None] == experts[None, :], running[None, :], 0), axis=1)
+        tl.store(sorted_ptr + base + _chunk_ranks(e, i), idx, mask=valid)
+        running += _chunk_counts(e, experts)
     for b0 in range(0, NUM_BLOCKS, FILL_BLOCKS):
         b = b0 + tl.arange(0, FILL_BLOCKS)
         _fill_blocks(b, b < NUM_BLOCKS, start, total, experts, emask, npost, sorted_ptr, expert_ids_ptr, M, E,
