@@ -1,4 +1,4 @@
-"""Expert-sorted routing for the grouped GEMM, like SGLang's moe_align_block_size: three Triton launches, one at decode sizes.
+"""Expert-sorted routing for the grouped GEMM, like SGLang's moe_align_block_size, in three Triton launches.
 
 The routed rows (token t, slot j) -> flat id t * topk + j are sorted by expert (stable), each
 expert's run is padded to a multiple of block_m with the pad id T * topk, and every block of
@@ -14,9 +14,9 @@ microseconds even inside a CUDA graph, which at decode is a sizeable share of th
   3. per chunk, each row's slot = its chunk's start in its expert + its rank among the earlier
      rows of the chunk with the same expert; per group of blocks, each block's expert id and the
      pad id in its slots past that expert's rows.
-Up to ONE_PROGRAM_CHUNKS chunks (decode batches: 512 routed rows, 64 tokens at top-8) one program runs
-the three steps in turn instead (`_align_one_program_kernel`): one launch, the same slots.
-The torch definition (argsort-based) is `reference.moe_align_block_size`; both forms agree with it exactly.
+(A one-program form for up to 512 rows was removed: on the H100 it took 15-48 us against these
+three launches' 9-15 us inside a CUDA graph, docs/benchmarks.md section 5.)
+The torch definition (argsort-based) is `reference.moe_align_block_size`; these launches agree with it exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import triton.language as tl
 
 CHUNK = 128  # routed rows per program of launches 1 and 3 (rank by a CHUNK x CHUNK comparison)
 FILL = 1024  # padded slots (whole blocks) given expert ids and pad ids per program of launch 3
-ONE_PROGRAM_CHUNKS = 4  # up to this many chunks (512 rows) one program does it all: a launch costs more than that work
 
 
 class Routing(NamedTuple):
@@ -129,36 +128,6 @@ def _fill_blocks(b, bmask, start, total, experts, emask, npost, sorted_ptr, expe
     tl.store(sorted_ptr + p, tl.zeros((FILL_BLOCKS, BLOCK_M), tl.int32) + M, mask=pad)
 
 
-@triton.jit
-def _align_one_program_kernel(ids_ptr, M, E, sorted_ptr, expert_ids_ptr, npost_ptr, NC, NUM_BLOCKS,
-                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL_BLOCKS: tl.constexpr,
-                              E_POW: tl.constexpr):
-    """Launches 1-3 in one program, for a few chunks: expert totals, padded starts, each chunk's rows placed
-    after the earlier chunks' rows of their expert, then every block's expert id and pad ids."""
-    experts = tl.arange(0, E_POW)
-    emask = experts < E
-    i = tl.arange(0, CHUNK)
-    total = tl.zeros((E_POW,), tl.int32)
-    for c in range(0, NC):
-        total += _chunk_counts(tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < M, other=E), experts)
-    padded = tl.where(emask, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-    start = tl.cumsum(padded, axis=0) - padded
-    npost = tl.sum(padded, axis=0)
-    tl.store(npost_ptr, npost)
-    running = start
-    for c in range(0, NC):
-        idx = c * CHUNK + i
-        valid = idx < M
-        e = tl.load(ids_ptr + idx, mask=valid, other=E)
-        base = tl.sum(tl.where(e[:, None] == experts[None, :], running[None, :], 0), axis=1)
-        tl.store(sorted_ptr + base + _chunk_ranks(e, i), idx, mask=valid)
-        running += _chunk_counts(e, experts)
-    for b0 in range(0, NUM_BLOCKS, FILL_BLOCKS):
-        b = b0 + tl.arange(0, FILL_BLOCKS)
-        _fill_blocks(b, b < NUM_BLOCKS, start, total, experts, emask, npost, sorted_ptr, expert_ids_ptr, M, E,
-                     BLOCK_M, FILL_BLOCKS)
-
-
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Routing:
     """Sort routed rows by expert and pad each expert's rows to a multiple of block_m."""
     flat = topk_ids.reshape(-1)
@@ -173,12 +142,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     fill_blocks = max(1, FILL // block_m)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    if nc <= ONE_PROGRAM_CHUNKS:
-        npost = torch.empty(1, dtype=torch.int32, device=dev)
-        _align_one_program_kernel[(1,)](flat, m, num_experts, sorted_ids, expert_ids, npost, nc, num_blocks,
-                                        BLOCK_M=block_m, CHUNK=CHUNK, FILL_BLOCKS=fill_blocks, E_POW=e_pow,
-                                        num_warps=8)
-        return Routing(sorted_ids, expert_ids, npost)
     work = torch.empty(nc * num_experts + 2 * num_experts + 1, dtype=torch.int32, device=dev)
     counts = work[:nc * num_experts]
     starts = work[nc * num_experts:(nc + 1) * num_experts]

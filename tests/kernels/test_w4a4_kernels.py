@@ -528,15 +528,10 @@ DEVICES = [pytest.param("cpu", marks=cpu_kernels), pytest.param("cuda", marks=gp
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("one_program", [True, False])
 @pytest.mark.parametrize("tokens,topk,experts,block_m", [(3, 2, 4, 4), (40, 8, 128, 16), (37, 4, 5, 64), (300, 2, 6, 16), (700, 2, 40, 64)])
-def test_routing_matches_the_argsort_definition(dev, one_program, tokens, topk, experts, block_m, monkeypatch):
-    """Both Triton forms (one program up to ONE_PROGRAM_CHUNKS chunks, else three launches) equal the
-    stable-argsort torch definition exactly, over several chunks of rows (300 x 2 > 128), empty experts
-    (128 experts for 320 rows) and E not a power of two."""
-    from quads_megatron.kernels import routing
-
-    monkeypatch.setattr(routing, "ONE_PROGRAM_CHUNKS", 16 if one_program else 0)
+def test_routing_matches_the_argsort_definition(dev, tokens, topk, experts, block_m):
+    """The three launches equal the stable-argsort torch definition exactly, over several chunks of rows
+    (300 x 2 > 128), empty experts (128 experts for 320 rows) and E not a power of two."""
     _check_routing(dev, tokens, topk, experts, block_m)
 
 
