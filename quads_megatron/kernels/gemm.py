@@ -32,9 +32,11 @@ the few routed rows of an expert become its N (>= 8), as OpenAI's triton_kernels
 on Hopper. The default configs use it at decode sizes, where it is the faster tile (the sweep
 is in docs/benchmarks.md).
 
-`GemmConfig.split_k` (dense only, `dense_config`) splits K over programs when a dense projection
-at decode M has too few tiles to fill the GPU: each split stores its scaled fp32 partial (bias and
-the RAC residual in split 0) and `combine.topk_sum` adds them in a fixed order, rounding once.
+`GemmConfig.split_k` splits K over programs when a launch at decode M has too few tiles to fill the
+GPU (a dense projection: `dense_config`; the grouped one at batch 1-2: `grouped_split_k`): each split
+stores its scaled fp32 partial (bias, routing weight and the RAC residual in split 0's or every
+split's, as they are linear) and `combine.topk_sum` adds them in a fixed order, rounding once, so
+the output rows are rounded exactly where the unsplit launch rounds them.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def _w4a4_gemm_kernel(
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
-    SPLIT_K > 1 (dense only): program axis 1 takes K_SPLIT of K and stores its fp32 partial
+    SPLIT_K > 1: program axis 1 takes K_SPLIT of K and stores its fp32 partial
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
     and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
@@ -384,7 +386,7 @@ class GemmConfig(NamedTuple):
     num_stages: int
     group_m: int = 8
     swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
-    split_k: int = 1  # dense only: K split over this many programs per tile, fp32 partials summed
+    split_k: int = 1  # K split over this many programs per tile, fp32 partials summed (`dense_split_k`)
     max_regs: Optional[int] = None  # Triton's maxnreg: a register cap per thread (more CTAs per SM), None: ptxas'
 
 
@@ -417,9 +419,11 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -
     """Grouped tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps):
     swap-AB (the decoded weight as wgmma's register operand) at decode sizes, (64 | 128) x 128
     tiles at prefill. `tools/bench_moe_layer.py --sweep` measures the alternatives; at <= 16 rows
-    the 128-row weight tile on 4 warps was the fastest (docs/benchmarks.md section 5)."""
+    the 128-row weight tile on 4 warps, 3 stages, capped at 96 registers (5 CTAs per SM instead of
+    3, no spills) was the fastest: 2-5% (W4A4) and 7-9% (RAC) under the uncapped tile on the H100
+    (docs/benchmarks.md section 5)."""
     if rows_per_expert <= 16:
-        return GemmConfig(16, 128 if n % 128 == 0 else 64, 128, 4, 4, 8, True)
+        return GemmConfig(16, 128 if n % 128 == 0 else 64, 128, 4, 3, 8, True, max_regs=96)
     if rows_per_expert <= 64:
         return GemmConfig(64, 128, 128, 8, 3)
     return GemmConfig(128, 128, 128, 8, 3)
@@ -433,6 +437,19 @@ def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
     while programs * split < 2 * num_sms and k_steps // (2 * split) >= 4 and split < 8:
         split *= 2
     return split
+
+
+def grouped_split_k(m: int, num_experts: int, n: int, k: int, config: GemmConfig, num_sms: int) -> int:
+    """`dense_split_k` for a grouped launch of m routed rows: at most min(m, E) experts have rows, so
+    min(m, E) x N-tiles programs do work (the rest exit at once). At decode batch 1 (8 rows at top-8)
+    Qwen3-30B-A3B's fc1 has 96 such programs of 16 K-steps each on 132 SMs: split 4."""
+    programs = min(m, num_experts) * triton.cdiv(n, config.block_n)
+    return dense_split_k(programs, triton.cdiv(k, config.block_k), num_sms)
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device for the split-K choice; 0 (no split) on CPU and in the interpreter."""
+    return _num_sms(device) if device.type == "cuda" and not interpreting() else 0
 
 
 def dense_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
@@ -481,7 +498,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         check_fragment_shape(w, "weight")
         if config is None and routing is None:  # dense: split K until the GPU is full
             config = fragment_config(m, n, k, rac=r is not None)
-            sms = _num_sms(a.device) if a.is_cuda and not interpreting() else 0
+            sms = device_sms(a.device)
             programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
             config = config._replace(split_k=dense_split_k(programs, k // 128, sms) if sms else 1)
         elif config is None:
@@ -493,21 +510,21 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
             raise ValueError(f"weight_scale: expected row-major E4M3 scales [E, N, K//16], got "
                              f"stride {w_scale.stride()}")
     if config is None and routing is None:
-        config = dense_config(m, n, k, _num_sms(a.device) if a.is_cuda and not interpreting() else 0)
+        config = dense_config(m, n, k, device_sms(a.device))
     elif config is None:
         config = default_config(m / max(1, e), n, k, rac=r is not None)
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
     split = config.split_k
-    if split > 1 and (routing is not None or topk_weights is not None):
-        raise ValueError("split_k > 1 is for the dense GEMM only (the grouped one has enough tiles)")
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     if routing is None:
         num_m_blocks = triton.cdiv(m, bm)
         sorted_ids = expert_ids = npost = w_scale_2
     else:
         sorted_ids, expert_ids, npost = routing
-        num_m_blocks = sorted_ids.numel() // bm
+        # every non-empty block holds >= 1 of the m routed rows, so at most m blocks do work: at decode
+        # batch 1 (8 rows, 128 experts, block 16) 8 of the 121 padded blocks, the rest would launch to exit
+        num_m_blocks = min(sorted_ids.numel() // bm, m)
     kr = 0 if r is None else comp_weight.shape[-1]
     if kr and (comp_weight.dtype != torch.float16 or comp_weight.shape != (e, n, kr)
                or comp_weight.stride(-1) != 1 or r[0].shape[-1] != kr or not r[0].is_contiguous()):

@@ -34,7 +34,7 @@ from ._checks import (check_act_mode, check_activation, check_comp, check_comp_w
 from .act_quant import quantize_activation_rac
 from .combine import topk_sum
 from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order
-from .gemm import default_config, fragment_config, launch_gemm
+from .gemm import default_config, device_sms, fragment_config, grouped_split_k, launch_gemm
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
@@ -177,6 +177,10 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         pick(m / num_experts, 2 * f, hidden, rac=c13 is not None),
         pick(m / num_experts, hidden, f, rac=c2 is not None))
     cfg2 = cfg2._replace(block_m=cfg1.block_m)
+    sms = device_sms(x.device)
+    if configs is None and sms:  # batch 1-2: too few tiles to fill the GPU
+        cfg1 = cfg1._replace(split_k=grouped_split_k(m, num_experts, 2 * f, hidden, cfg1, sms))
+        cfg2 = cfg2._replace(split_k=grouped_split_k(m, num_experts, hidden, f, cfg2, sms))
     routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()

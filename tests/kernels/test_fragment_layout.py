@@ -227,6 +227,28 @@ def test_fragment_split_k_cpu():
     assert rel(out, reference.w4a4_linear(x, *w, act_mode="w4a4")) < 2e-6
 
 
+@cpu_kernels
+@pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a4", torch.bfloat16),
+                                        ("w4a16", torch.float32)])
+def test_fragment_grouped_split_k_cpu(mode, dtype):
+    """The grouped GEMM with K split in two (decode batch 1-2): fc1's two K-steps one per split, fc2's one
+    K-step all in split 0 (split 1 stores a zero partial); routing weights and the RAC residual once."""
+    cfg = GemmConfig(16, 64, 128, 4, 1, 8, True, split_k=2)
+    _check_moe("cpu", mode, dtype, 3, 256, 128, 4, 2, False, configs=(cfg, cfg))
+
+
+def test_grouped_split_k_fills_the_machine_at_batch_one():
+    """min(rows, E) x N-tiles programs at decode, split until 2 x SMs, >= 4 K-steps per split (Qwen3-30B-A3B)."""
+    from quads_megatron.kernels.gemm import grouped_split_k
+
+    tile = GemmConfig(16, 128, 128, 4, 3, 8, True)
+    assert grouped_split_k(8, 128, 1536, 2048, tile, 132) == 4    # batch 1 fc1: 96 programs, 16 K-steps
+    assert grouped_split_k(16, 128, 1536, 2048, tile, 132) == 2   # batch 2: 192 programs
+    assert grouped_split_k(64, 128, 1536, 2048, tile, 132) == 1   # batch 8: 768 programs
+    assert grouped_split_k(8, 128, 2048, 768, tile, 132) == 1     # fc2: 6 K-steps, too few to split
+    assert grouped_split_k(8, 128, 1536, 2048, tile, 0) == 1      # CPU / interpreter
+
+
 def test_torch_backend_reads_fragment_weights_back():
     gen = torch.Generator().manual_seed(4)
     x = activations(4, 128, torch.float32, "cpu", gen)
@@ -252,7 +274,8 @@ def test_fragment_fused_moe_full_size_gpu(mode, dtype, t):
 @pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
                                  (16, 128, 128, 8, 4, 8, True), (32, 64, 128, 4, 4, 8, True),
                                  (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False),
-                                 (16, 128, 128, 4, 4, 8, True, 1, 128), (16, 128, 128, 4, 3, 8, True, 1, 96)])
+                                 (16, 64, 128, 4, 3, 8, True, 1, 96), (16, 128, 128, 4, 3, 8, True, 1, 96),
+                                 (16, 128, 128, 4, 3, 8, True, 4, 96)])
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.bfloat16)])
 def test_fragment_configs_gpu(cfg, mode, dtype):
     """Every tile of the bench's v3 sweep gives the reference's answer."""
