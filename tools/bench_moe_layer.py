@@ -422,8 +422,17 @@ def run(args) -> dict:
     w = build_experts(args, gen, dev)
     layers = {"bf16": bf16_layer, "fp8": fp8_layer,
               **{variant_name(k, m): quads_layer(m, kernel=k) for k in args.kernels for m in MODES}}
+    import triton
+
     copy_bw = copy_bandwidth(dev)
+    meta = dict(date=time.strftime("%Y-%m-%d"), command="python3 tools/bench_moe_layer.py " + " ".join(sys.argv[1:]),
+                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                torch=torch.__version__, triton=triton.__version__, num_experts=args.num_experts,
+                hidden_size=args.hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                moe_router_topk=args.moe_router_topk, rac_channels=args.rac_channels, iters=args.iters,
+                reps=args.reps, graphs=dev.type == "cuda", copy_bytes_per_s=copy_bw, kernels=args.kernels)
     rows = []
+    res = dict(meta=meta, rows=rows)
     for t in args.tokens:
         tw, ti = random_routing(t, args.num_experts, args.moe_router_topk, gen, dev)
         x = activations(t, args.hidden_size, gen, dev)
@@ -454,15 +463,14 @@ def run(args) -> dict:
                    weight_bytes=weight_bytes(args, hit, False), rac_weight_bytes=weight_bytes(args, hit, True))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    import triton
+        if args.json:  # the rows so far: a run cut at its time limit keeps what it measured
+            write_json(res, args.json)
+    return res
 
-    meta = dict(date=time.strftime("%Y-%m-%d"), command="python3 tools/bench_moe_layer.py " + " ".join(sys.argv[1:]),
-                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                torch=torch.__version__, triton=triton.__version__, num_experts=args.num_experts,
-                hidden_size=args.hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                moe_router_topk=args.moe_router_topk, rac_channels=args.rac_channels, iters=args.iters,
-                reps=args.reps, graphs=dev.type == "cuda", copy_bytes_per_s=copy_bw, kernels=args.kernels)
-    return dict(meta=meta, rows=rows)
+
+def write_json(res: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
 
 
 def main(argv=None) -> int:
@@ -492,8 +500,7 @@ def main(argv=None) -> int:
             for kname, us in kernels[:12]:
                 print(f"      {us:8.1f} us  {kname[:110]}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+        write_json(res, args.json)
     failed = any(not err < tol for r in res["rows"] for cs in r["checks"].values() for err, tol in cs.values())
     return 1 if failed else 0
 
