@@ -15,7 +15,7 @@ from quads_megatron.nvfp4.triton_kernels import e2m1_decode, e4m3_decode
 from quads_megatron.rac import quantize_compensated
 from quads_megatron.kernels import reference, w4a4_fused_moe, w4a4_linear
 from quads_megatron.kernels.act_quant import quantize_activation_rac
-from quads_megatron.kernels.gemm import decode_words_f16, interpreting
+from quads_megatron.kernels.gemm import GemmConfig, decode_words_f16, interpreting
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 from quads_megatron.kernels.routing import moe_align_block_size
 
@@ -268,7 +268,6 @@ def _check_split_k(device, mode, dtype, m, n, k_in, k, config):
     ("w4a16", torch.float32, 16, 4),
 ])
 def test_split_k_dense_gemm_cpu(mode, dtype, block_k, split):
-    from quads_megatron.kernels.gemm import GemmConfig
 
     _check_split_k("cpu", mode, dtype, 5, 40, 272, 32 if mode == "w4a4_rac" else 0,
                    GemmConfig(16, 16, block_k, 4, 2, split_k=split))
@@ -341,7 +340,6 @@ def _check_swap_ab(device, mode, dtype, t, n, k_in, e, topk, k, config):
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.float32),
                                         ("w4a4", torch.bfloat16)])
 def test_swap_ab_grouped_gemm_cpu(mode, dtype):
-    from quads_megatron.kernels.gemm import GemmConfig
 
     _check_swap_ab("cpu", mode, dtype, 5, 64, 80, 3, 2, 32, GemmConfig(16, 64, 64, 4, 1, 8, True))
 
@@ -352,7 +350,6 @@ def test_swap_ab_grouped_gemm_cpu(mode, dtype):
 @pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 8, 3, 8, True),
                                  (32, 64, 128, 4, 4, 8, True)])
 def test_swap_ab_grouped_gemm_gpu(mode, dtype, cfg):
-    from quads_megatron.kernels.gemm import GemmConfig
 
     _check_swap_ab("cuda", mode, dtype, 16, 1536, 2048, 128, 8, 64, GemmConfig(*cfg))
 
@@ -388,7 +385,7 @@ def test_rac_lowers_error_against_bf16_gpu():
 
 
 # ---- fused MoE -------------------------------------------------------------------------
-def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None, prebuilt=False):
+def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None, prebuilt=False, configs=None):
     gen = torch.Generator().manual_seed(t + h + e)
     x = activations(t, h, dtype, device, gen)
     w13 = packed((e, 2 * f, h), device, gen=gen)
@@ -403,7 +400,7 @@ def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None, preb
     if prebuilt:  # the RAC weight columns built once, as the SGLang method and local engine do
         kw.update(w13_comp_weight=rac_weight_columns(w13[0], w13[1], c13),
                   w2_comp_weight=rac_weight_columns(w2[0], w2[1], c2))
-    out = w4a4_fused_moe(x, *w13, *w2, tw, ti, **kw, **TRITON)
+    out = w4a4_fused_moe(x, *w13, *w2, tw, ti, **kw, configs=configs, **TRITON)
     cpu = lambda ts: [t_.cpu() for t_ in ts]  # noqa: E731
     kw_cpu = dict(act_mode=mode, w13_comp_index=c13.cpu(), w2_comp_index=c2.cpu())
     ref = reference.w4a4_fused_moe(x.cpu(), *cpu(w13), *cpu(w2), tw.cpu(), ti.cpu(), **kw_cpu)
@@ -422,6 +419,15 @@ def _check_moe(device, mode, dtype, t, h, f, e, topk, per_expert, tol=None, preb
 ])
 def test_fused_moe_matches_reference_cpu(mode, dtype, t, per_expert, prebuilt):
     _check_moe("cpu", mode, dtype, t, 64, 48, 5, 2, per_expert, prebuilt=prebuilt)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a4", torch.bfloat16)])
+def test_fused_moe_split_k_cpu(mode, dtype):
+    """The grouped GEMM on ModelOpt-order codes with K split in three (K = 96 of 32-wide steps for fc1 and
+    fc2): the partials of every split, routing weights and the RAC residual once."""
+    cfg = GemmConfig(16, 16, 32, 4, 1, 8, True, split_k=3)
+    _check_moe("cpu", mode, dtype, 2, 96, 96, 5, 2, True, configs=(cfg, cfg))
 
 
 @gpu
