@@ -498,9 +498,8 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         check_fragment_shape(w, "weight")
         if config is None and routing is None:  # dense: split K until the GPU is full
             config = fragment_config(m, n, k, rac=r is not None)
-            sms = device_sms(a.device)
             programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-            config = config._replace(split_k=dense_split_k(programs, k // 128, sms) if sms else 1)
+            config = config._replace(split_k=dense_split_k(programs, k // 128, device_sms(a.device)))
         elif config is None:
             config = fragment_config(m / max(1, e), n, k, rac=r is not None)
         if config.block_k != 128 or config.block_n % 64 or config.block_m % 16:

@@ -16,7 +16,7 @@ microseconds even inside a CUDA graph, which at decode is a sizeable share of th
      pad id in its slots past that expert's rows.
 (A one-program form for up to 512 rows was removed: on the H100 it took 15-48 us against these
 three launches' 9-15 us inside a CUDA graph, docs/benchmarks.md section 5.)
-The torch definition (argsort-based) is `reference.moe_align_block_size`; these launches agree with it exactly.
+The torch definition (argsort-based) is `reference.moe_align_block_size`; they agree exactly.
 """
 
 from __future__ import annotations
@@ -40,25 +40,14 @@ class Routing(NamedTuple):
 
 
 @triton.jit
-def _chunk_counts(e, experts):
-    """Rows of a chunk (expert ids e, masked rows = E) routed to each of `experts`."""
-    return tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _chunk_ranks(e, i):
-    """Each row's rank among the chunk's earlier rows with its expert (the stable order within a chunk)."""
-    return tl.sum(((e[:, None] == e[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-
-
-@triton.jit
 def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.constexpr):
     """counts[c, e] = rows of chunk c routed to expert e."""
     c = tl.program_id(0)
     idx = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + idx, mask=idx < M, other=E)
     experts = tl.arange(0, E_POW)
-    tl.store(counts_ptr + c * E + experts, _chunk_counts(e, experts), mask=experts < E)
+    n = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + c * E + experts, n, mask=experts < E)
 
 
 @triton.jit
@@ -100,29 +89,24 @@ def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, npost_ptr, so
         idx = pid * CHUNK + i
         valid = idx < M
         e = tl.load(ids_ptr + idx, mask=valid, other=E)
+        earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
         base = tl.load(base_ptr + pid * E + e, mask=valid, other=0)
-        tl.store(sorted_ptr + base + _chunk_ranks(e, i), idx, mask=valid)
+        tl.store(sorted_ptr + base + rank, idx, mask=valid)
+    # blocks b of this program: expert = experts whose padded run ends at or before b's first slot
     experts = tl.arange(0, E_POW)
     emask = experts < E
     start = tl.load(starts_ptr + experts, mask=emask, other=0)
     total = tl.load(totals_ptr + experts, mask=emask, other=0)
-    b = pid * FILL_BLOCKS + tl.arange(0, FILL_BLOCKS)
-    _fill_blocks(b, b < NUM_BLOCKS, start, total, experts, emask, tl.load(npost_ptr), sorted_ptr, expert_ids_ptr,
-                 M, E, BLOCK_M, FILL_BLOCKS)
-
-
-@triton.jit
-def _fill_blocks(b, bmask, start, total, experts, emask, npost, sorted_ptr, expert_ids_ptr, M, E,
-                 BLOCK_M: tl.constexpr, FILL_BLOCKS: tl.constexpr):
-    """Blocks b: their expert id (the experts whose padded run ends at or before b's first slot), and the
-    pad id in their slots past that expert's rows."""
     end = tl.where(emask, start + (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 2147483647)
+    b = pid * FILL_BLOCKS + tl.arange(0, FILL_BLOCKS)
+    bmask = b < NUM_BLOCKS
     first = b * BLOCK_M
     owner = tl.minimum(tl.sum((end[None, :] <= first[:, None]).to(tl.int32), axis=1), E - 1)
     tl.store(expert_ids_ptr + b, owner, mask=bmask)
     mine = experts[None, :] == owner[:, None]
     rows_end = tl.sum(tl.where(mine, (start + total)[None, :], 0), axis=1)
-    rows_end = tl.where(first < npost, rows_end, 0)
+    rows_end = tl.where(first < tl.load(npost_ptr), rows_end, 0)
     p = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
     pad = bmask[:, None] & (p >= rows_end[:, None])
     tl.store(sorted_ptr + p, tl.zeros((FILL_BLOCKS, BLOCK_M), tl.int32) + M, mask=pad)
@@ -139,17 +123,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     num_blocks = max_padded // block_m
     nc = max(1, triton.cdiv(m, CHUNK))
     e_pow = triton.next_power_of_2(num_experts + 1)  # + 1: the id of masked rows
-    fill_blocks = max(1, FILL // block_m)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     work = torch.empty(nc * num_experts + 2 * num_experts + 1, dtype=torch.int32, device=dev)
     counts = work[:nc * num_experts]
     starts = work[nc * num_experts:(nc + 1) * num_experts]
     totals = work[(nc + 1) * num_experts:(nc + 2) * num_experts]
     npost = work[-1:]
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(nc,)](flat, m, counts, num_experts, CHUNK=CHUNK, E_POW=e_pow, num_warps=4)
     _offsets_kernel[(1,)](counts, nc, num_experts, starts, totals, npost, BLOCK_M=block_m,
                           E_POW=e_pow, CB=max(1, min(64, 16384 // e_pow)), num_warps=8)
+    fill_blocks = max(1, FILL // block_m)
     grid = (max(nc, triton.cdiv(num_blocks, fill_blocks)),)
     _place_kernel[grid](flat, m, counts, num_experts, starts, totals, npost, sorted_ids, expert_ids,
                         nc, num_blocks, BLOCK_M=block_m, CHUNK=CHUNK, FILL_BLOCKS=fill_blocks,
