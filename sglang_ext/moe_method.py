@@ -28,6 +28,9 @@ sync: one call per layer parameter instead of one per expert, shard and tensor).
 Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`), named by its
 HF name (`model.layers.0.mlp.experts.3.up_proj.weight_scale`), and `process_weights_after_loading`
 names any expert slice the first load did not write; the forward skips the kernels' value checks.
+On CUDA the forward sorts the routed rows with SGLang's own `moe_align_block_size` (its CUDA op, or its
+one-launch Triton form at decode sizes: what SGLang's fused MoE runs) instead of the kernels' Triton
+routing (docs/benchmarks.md section 7).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from torch.nn import Parameter
 
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoeWeightScaleSupported
+from sglang.srt.layers.moe.moe_runner.triton_utils import moe_align_block_size
 from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.layers.utils import copy_or_rebind_param
@@ -362,7 +366,8 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             w2_input_scale=layer.w2_input_global_scale if static else None, check_inputs=False,
             w13_comp_weight=layer.w13_comp_weight if rac else None,
             w2_comp_weight=layer.w2_comp_weight if rac else None,
-            weight_layout=layer.quads_weight_layout)
+            weight_layout=layer.quads_weight_layout,
+            align_block_size=moe_align_block_size if x.is_cuda else None)
         return StandardCombineInput(hidden_states=out)
 
 

@@ -76,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our kernels timed in the same run (the last one is the table's ratios)")
     p.add_argument("--sweep", action="store_true", help="also time w4a4 and w4a4_rac with several (fc1, fc2) tile configs")
     p.add_argument("--sweep-kernel", choices=KERNELS, default="v3", help="the kernel --sweep times")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="also time the last kernel's w4a4 and w4a4_rac launched without PDL (kernels.pdl)")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
     args = p.parse_args(argv)
     if args.tiny:
@@ -269,6 +271,16 @@ def quads_layer(mode: str, backend: str = "triton", configs: Optional[tuple] = N
     return layer
 
 
+def without_pdl(layer: Callable) -> Callable:
+    """The layer with plain launches (captured so, when timed in a graph)."""
+    from quads_megatron.kernels import pdl
+
+    def run(*args):
+        with pdl.disabled():
+            return layer(*args)
+    return run
+
+
 def variant_name(kernel: str, mode: str) -> str:
     return f"{kernel} {mode}"
 
@@ -422,6 +434,9 @@ def run(args) -> dict:
     w = build_experts(args, gen, dev)
     layers = {"bf16": bf16_layer, "fp8": fp8_layer,
               **{variant_name(k, m): quads_layer(m, kernel=k) for k in args.kernels for m in MODES}}
+    if args.pdl_ab:
+        for m in ("w4a4", "w4a4_rac"):
+            layers[variant_name(args.kernels[-1], m) + " no-pdl"] = without_pdl(quads_layer(m, kernel=args.kernels[-1]))
     import triton
 
     copy_bw = copy_bandwidth(dev)
@@ -492,6 +507,9 @@ def main(argv=None) -> int:
           f"RAC k = {args.rac_channels}; ms per layer ({how})")
     print(table(res["rows"], bw, args.kernels))
     for r in res["rows"]:
+        for m in ("w4a4", "w4a4_rac") if args.pdl_ab else ():
+            on, off = r["ms"][variant_name(args.kernels[-1], m)], r["ms"][variant_name(args.kernels[-1], m) + " no-pdl"]
+            print(f"  T={r['tokens']} {m}: PDL {_ms(on)} ms, plain launches {_ms(off)} ms ({_ratio(off, on)})")
         for key, v in r["ms"].get("sweep", {}).items():
             print(f"  T={r['tokens']} {key}: {_ms(v)} ms")
         for name, kernels in r["ms"].get("profile", {}).items():

@@ -24,6 +24,8 @@ from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
 from quads_megatron.nvfp4.triton_kernels import (e2m1_decode, e4m3_decode, global_scales,
                                                  nvfp4_block_quantize)
 
+from .pdl import pdl_options, pdl_prologue
+
 
 
 @triton.jit
@@ -71,7 +73,8 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
                       WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr,
                       SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_KR: tl.constexpr):
+                      BLOCK_KR: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -203,5 +206,5 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values, FRAG=fragment_order,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False)
+        BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False, **pdl_options(x.device))
     return QuantizedActivation(data, scale, s_dec, values, r_data, r_scale, r_s_dec, r_values)

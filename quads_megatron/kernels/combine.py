@@ -15,10 +15,13 @@ import triton.language as tl
 
 from quads_megatron.nvfp4.triton_kernels import bf16_round
 
+from .pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _topk_sum_kernel(rows_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
-                     OUT_BF16: tl.constexpr):
+                     OUT_BF16: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -49,5 +52,5 @@ def topk_sum(rows: torch.Tensor, topk: int, out: Optional[torch.Tensor] = None) 
     dst = out.view(torch.uint16) if bf16 else out
     block_h = min(1024, triton.next_power_of_2(h))
     _topk_sum_kernel[(t, triton.cdiv(h, block_h))](rows, dst, h, TOPK=topk, BLOCK_H=block_h,
-                                                   OUT_BF16=bf16, num_warps=4)
+                                                   OUT_BF16=bf16, num_warps=4, **pdl_options(rows.device))
     return out

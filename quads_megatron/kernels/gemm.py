@@ -52,6 +52,7 @@ from quads_megatron.nvfp4.triton_kernels import bf16_round
 
 from .combine import topk_sum
 from .fragment_layout import check_fragment_shape
+from .pdl import pdl_options, pdl_prologue
 
 
 @triton.jit
@@ -242,7 +243,7 @@ def _w4a4_gemm_kernel(
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
         FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
-        GROUP_M: tl.constexpr):
+        GROUP_M: tl.constexpr, USE_PDL: tl.constexpr = False):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
@@ -250,6 +251,7 @@ def _w4a4_gemm_kernel(
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
     and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
+    pdl_prologue(USE_PDL)
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -555,7 +557,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({} if config.max_regs is None else {"maxnreg": config.max_regs}))
+        **({} if config.max_regs is None else {"maxnreg": config.max_regs}), **pdl_options(a.device))
     if split > 1:
         topk_sum(c, split, out=out)
     return out

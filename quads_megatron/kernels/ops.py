@@ -22,7 +22,7 @@ while a CUDA graph is being captured.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -141,7 +141,8 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    check_inputs: bool = True, w13_comp_weight: Optional[torch.Tensor] = None,
                    w2_comp_weight: Optional[torch.Tensor] = None,
                    configs: Optional[tuple] = None,
-                   weight_layout: str = "modelopt") -> torch.Tensor:
+                   weight_layout: str = "modelopt",
+                   align_block_size: Optional[Callable] = None) -> torch.Tensor:
     """NVFP4 MoE: out[t] = sum_j w_tj * fc2_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     backend and check_inputs as in `w4a4_linear`; w13_comp_weight fp16 [E, 2F, k] /
@@ -149,7 +150,11 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     built per call when None); configs: (fc1, fc2) `GemmConfig`s instead of `default_config`'s /
     `fragment_config`'s (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block);
     weight_layout: "modelopt" or "fragment" (w13 and w2 in `fragment_layout`'s order, the v3 main
-    loop; the reference backend and per-call RAC columns convert them back)."""
+    loop; the reference backend and per-call RAC columns convert them back); align_block_size:
+    (topk_ids, block_m, num_experts) -> (sorted_ids, expert_ids, num_tokens_post_padded) in
+    SGLang's `moe_align_block_size` contract (pad id = topk_ids.numel(), blocks past the total
+    unread), e.g. SGLang's own CUDA op inside its server; default `routing.moe_align_block_size`.
+    The order of rows within an expert does not change the output: each row is computed alone."""
     num_experts, hidden, f, c13, c2 = check_moe_inputs(
         x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
         act_mode, w13_comp_index, w2_comp_index, check_inputs)
@@ -181,7 +186,7 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if configs is None and sms:  # batch 1-2: too few tiles to fill the GPU
         cfg1 = cfg1._replace(split_k=grouped_split_k(m, num_experts, 2 * f, hidden, cfg1, sms))
         cfg2 = cfg2._replace(split_k=grouped_split_k(m, num_experts, hidden, f, cfg2, sms))
-    routing = moe_align_block_size(topk_ids, cfg1.block_m, num_experts)
+    routing = (align_block_size or moe_align_block_size)(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(m, 2 * f, dtype=x.dtype, device=x.device)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_prologue
+
 CHUNK = 128  # routed rows per program of launches 1 and 3 (rank by a CHUNK x CHUNK comparison)
 FILL = 1024  # padded slots (whole blocks) given expert ids and pad ids per program of launch 3
 
@@ -40,8 +42,10 @@ class Routing(NamedTuple):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.constexpr):
+def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
     """counts[c, e] = rows of chunk c routed to expert e."""
+    pdl_prologue(USE_PDL)
     c = tl.program_id(0)
     idx = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + idx, mask=idx < M, other=E)
@@ -52,9 +56,10 @@ def _count_kernel(ids_ptr, M, counts_ptr, E, CHUNK: tl.constexpr, E_POW: tl.cons
 
 @triton.jit
 def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, npost_ptr, BLOCK_M: tl.constexpr,
-                    E_POW: tl.constexpr, CB: tl.constexpr):
+                    E_POW: tl.constexpr, CB: tl.constexpr, USE_PDL: tl.constexpr = False):
     """counts [NC, E] -> in place each chunk's first slot per expert; padded starts, totals and
     num_tokens_post_padded (one program)."""
+    pdl_prologue(USE_PDL)
     experts = tl.arange(0, E_POW)
     emask = experts < E
     total = tl.zeros((E_POW,), tl.int32)
@@ -80,9 +85,10 @@ def _offsets_kernel(counts_ptr, NC, E, starts_ptr, totals_ptr, npost_ptr, BLOCK_
 @triton.jit
 def _place_kernel(ids_ptr, M, base_ptr, E, starts_ptr, totals_ptr, npost_ptr, sorted_ptr,
                   expert_ids_ptr, NC, NUM_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  FILL_BLOCKS: tl.constexpr, E_POW: tl.constexpr):
+                  FILL_BLOCKS: tl.constexpr, E_POW: tl.constexpr, USE_PDL: tl.constexpr = False):
     """sorted[base[c, e] + rank] = flat id for the rows of chunk c; for FILL_BLOCKS blocks of slots:
     their expert id, and the pad id in their slots past the expert's rows."""
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     if pid < NC:
         i = tl.arange(0, CHUNK)
@@ -130,12 +136,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     npost = work[-1:]
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    _count_kernel[(nc,)](flat, m, counts, num_experts, CHUNK=CHUNK, E_POW=e_pow, num_warps=4)
+    pdl = pdl_options(dev)
+    _count_kernel[(nc,)](flat, m, counts, num_experts, CHUNK=CHUNK, E_POW=e_pow, num_warps=4, **pdl)
     _offsets_kernel[(1,)](counts, nc, num_experts, starts, totals, npost, BLOCK_M=block_m,
-                          E_POW=e_pow, CB=max(1, min(64, 16384 // e_pow)), num_warps=8)
+                          E_POW=e_pow, CB=max(1, min(64, 16384 // e_pow)), num_warps=8, **pdl)
     fill_blocks = max(1, FILL // block_m)
     grid = (max(nc, triton.cdiv(num_blocks, fill_blocks)),)
     _place_kernel[grid](flat, m, counts, num_experts, starts, totals, npost, sorted_ids, expert_ids,
                         nc, num_blocks, BLOCK_M=block_m, CHUNK=CHUNK, FILL_BLOCKS=fill_blocks,
-                        E_POW=e_pow, num_warps=4)
+                        E_POW=e_pow, num_warps=4, **pdl)
     return Routing(sorted_ids, expert_ids, npost)

@@ -430,6 +430,35 @@ def test_fused_moe_split_k_cpu(mode, dtype):
     _check_moe("cpu", mode, dtype, 2, 96, 96, 5, 2, True, configs=(cfg, cfg))
 
 
+def _reversed_runs(topk_ids, block_m, num_experts):
+    """The argsort routing with every expert's rows in reverse order, as an op that places rows by
+    atomics (SGLang's CUDA moe_align_block_size) may leave them."""
+    sorted_ids, expert_ids, npost = reference.moe_align_block_size(topk_ids, block_m, num_experts)
+    real = sorted_ids < topk_ids.numel()
+    owner = expert_ids.repeat_interleave(block_m)[: sorted_ids.numel()]
+    out = sorted_ids.clone()
+    for e in owner[real].unique():
+        where = real & (owner == e)
+        out[where] = sorted_ids[where].flip(0)
+    return out, expert_ids, npost
+
+
+@cpu_kernels
+def test_fused_moe_takes_an_align_op_in_any_row_order_cpu():
+    """`align_block_size=` replaces the routing launches (SGLang's op in its server): with each
+    expert's rows reversed the output is the default routing's, bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    x = activations(6, 64, torch.float32, "cpu", gen)
+    w13, w2 = packed((4, 64, 64), "cpu", gen=gen), packed((4, 64, 32), "cpu", gen=gen)
+    tw, ti = torch.topk(torch.randn(6, 4, generator=gen).softmax(-1), 2)
+    kw = dict(act_mode="w4a4_rac", w13_comp_index=comp(64, 16, gen), w2_comp_index=comp(32, 16, gen, 4),
+              backend="triton")
+    want = w4a4_fused_moe(x, *w13, *w2, tw, ti.int(), **kw)
+    got = w4a4_fused_moe(x, *w13, *w2, tw, ti.int(), **kw, align_block_size=_reversed_runs)
+    assert _reversed_runs(ti.int(), 16, 4)[0].tolist() != reference.moe_align_block_size(ti.int(), 16, 4)[0].tolist()
+    assert torch.equal(got, want)
+
+
 @gpu
 @pytest.mark.parametrize("mode,dtype,t", [("w4a4_rac", torch.float32, 3),
                                           ("w4a4_rac", torch.bfloat16, 300),

@@ -265,3 +265,39 @@ def test_bf16_weight_sync_is_quantized_on_the_server_like_the_export(sglang_runt
     _load(layer, broken)
     with pytest.raises(ValueError, match=r"experts\.3\.gate_proj\.weight: NaN or Inf"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+# ---------------------------------------------------------------------- GPU: SGLang's routing op
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+def test_sglang_align_gives_the_kernels_routing_output_gpu(sglang_runtime, tokens):
+    """The forward on CUDA sorts rows with SGLang's `moe_align_block_size` (its one-launch Triton form
+    up to 64 routed rows, its CUDA op above; 128 experts as Qwen3-30B-A3B): the layer's output equals
+    the kernels' own routing's bit for bit (each row is computed alone, whatever its place in the
+    expert's run), and both agree with the torch reference on fragment-order weights with RAC."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils import moe_align_block_size
+
+    from quads_megatron.kernels import w4a4_fused_moe
+    from quads_megatron.kernels.fragment_layout import to_fragment_order
+    from tests.kernels.test_w4a4_kernels import activations, comp, random_packed, rel
+
+    e, h, f, topk = 128, 512, 256, 8
+    gen = torch.Generator().manual_seed(tokens)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    w13, w2 = random_packed(e, 2 * f, h, "cuda", g), random_packed(e, h, f, "cuda", g)
+    x = activations(tokens, h, torch.bfloat16, "cuda", gen)
+    tw, ti = torch.topk(torch.randn(tokens, e, generator=gen).softmax(-1), topk)
+    tw, ti = tw.cuda(), ti.int().cuda()
+    c13, c2 = comp(h, RAC_K, gen).cuda(), comp(f, RAC_K, gen, e).cuda()
+    kw = dict(act_mode="w4a4_rac", w13_comp_index=c13, w2_comp_index=c2, backend="triton",
+              w13_comp_weight=rac_weight_columns(w13[0], w13[1], c13),
+              w2_comp_weight=rac_weight_columns(w2[0], w2[1], c2))
+    frag13 = (to_fragment_order(w13[0]), *w13[1:])
+    frag2 = (to_fragment_order(w2[0]), *w2[1:])
+    ours = w4a4_fused_moe(x, *frag13, *frag2, tw, ti, **kw, weight_layout="fragment")
+    theirs = w4a4_fused_moe(x, *frag13, *frag2, tw, ti, **kw, weight_layout="fragment",
+                            align_block_size=moe_align_block_size)
+    assert torch.equal(theirs, ours)
+    ref = reference.w4a4_fused_moe(x, *w13, *w2, tw, ti, act_mode="w4a4_rac", w13_comp_index=c13,
+                                   w2_comp_index=c2)
+    assert rel(theirs, ref) < 8e-3
