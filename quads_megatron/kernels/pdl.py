@@ -5,7 +5,7 @@ between two dependent kernels is a sizeable share of each. With PDL a kernel is 
 one before it still runs: its programs first wait (`griddepcontrol.wait`: the previous grid has
 finished and its writes are visible), then let the next kernel launch
 (`griddepcontrol.launch_dependents`), so no kernel reads anything before its inputs are complete.
-SGLang launches its own decode-size MoE routing the same way. CPU (the interpreter) and GPUs
+SGLang launches its own decode-size MoE routing the same way. CPU (the interpreter), ROCm and GPUs
 before sm_90 launch as usual.
 """
 
@@ -33,7 +33,8 @@ def pdl_prologue(USE_PDL: tl.constexpr):
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:
     interpreted = type(pdl_prologue).__name__ == "InterpretedFunction"   # TRITON_INTERPRET=1 at import
-    return device.type == "cuda" and not interpreted and torch.cuda.get_device_capability(device)[0] >= 9
+    nvidia = device.type == "cuda" and torch.version.hip is None          # griddepcontrol is PTX
+    return nvidia and not interpreted and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_options(device: torch.device) -> dict:
