@@ -14,7 +14,10 @@
 #   PLUGIN_BENCH=0 SGLANG_ARGS="--stages speed --precisions w4a4_rac w4a4 --num-layers 48 --batches 1 8 64 \
 #       --max-bs 64 --server-args=--disable-prefill-cuda-graph" bash tools/gpu_session.sh sglang
 #                                                        # every server on dummy weights (no checkpoint on disk):
-#                                                        # throughput and the decode profile at full depth
+#                                                        # throughput and the decode profile at full depth; five
+#                                                        # servers of 48 layers exceed one call: run
+#                                                        # `--precisions w4a4_rac --baselines fp8 bf16`, then
+#                                                        # `--precisions w4a4 w4a16 --baselines` on the held machine
 #   bash tools/gpu_session.sh pretrain sglang-grpo grpo  # the GRPO job (R3 on) with --sglang-launch rollouts,
 #                                                        # then the same job with the local engine
 # Needs megatron-core (and transformers >= 5.19) importable; OUT (default runs/gpu) receives logs, JSON, PNG.

@@ -13,8 +13,8 @@ an HF checkpoint and exported by ``quads-export-rollout`` for each QUADS precisi
   throughput  decode tokens/s and time per output token at batch 1, 8, 64, 256 (fixed input and output
               lengths, ignore_eos) for SGLang BF16, SGLang FP8 (--quantization fp8) and the QUADS precisions
               (measured inside the agree and baselines stages)
-  speed       the same throughput table, plus the profile stage's kernels per decode step at
-              ``--profile-batch``, on dummy weights (``--load-format dummy``: config.json only, no checkpoint
+  speed       the same throughput table (SGLang's servers: ``--baselines``), plus the profile stage's
+              kernels per decode step at ``--profile-batch``, on dummy weights (``--load-format dummy``: config.json only, no checkpoint
               written or read), so every server of a deep model starts in seconds and all 48 layers fit
 
 Needs SGLang importable (``tools/sglang_wheelhouse.sh`` builds the wheel set; ``tools/gpu_session.sh
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # token ids in and out, room for the script's own tensors, every request prefilled in full
 SERVER_FLAGS = ["--skip-tokenizer-init", "--mem-fraction-static", "0.7", "--disable-radix-cache"]
 QUADS_PRECISIONS = ("w4a4_rac", "w4a4", "w4a16")
+BASELINE_QUANT = {"fp8": "fp8", "bf16": None}  # SGLang's own servers: label -> --quantization
 VOCAB = 32768
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -221,7 +222,7 @@ def stage_agree(args, work, cfg, calib, result):
 
 
 def stage_baselines(args, work, result):
-    for name, quant in (("sglang bf16", None), ("sglang fp8", "fp8")):
+    for name, quant in ((f"sglang {b}", BASELINE_QUANT[b]) for b in args.baselines):
         with server(work / "hf", quant, work / f"server-{name.split()[1]}.log", args) as url:
             result.setdefault("throughput", {})[name] = [
                 decode_rate(url, b, args.in_len, args.out_len, seed=b) for b in args.batches]
@@ -282,7 +283,8 @@ def stage_speed(args, work, cfg, result):
     from quads_megatron.apps.study.trace import per_step_table
 
     quads = [(f"quads {p}", "quads", p) for p in args.precisions]
-    servers = quads[:1] + [("sglang fp8", "fp8", None), ("sglang bf16", None, None)] + quads[1:]
+    baselines = [(f"sglang {b}", BASELINE_QUANT[b], None) for b in args.baselines]
+    servers = quads[:1] + baselines + quads[1:]
     rows, prof, kernels = result.setdefault("speed", {}), result.setdefault("speed_profile", {}), {}
     for label, quant, precision in servers:
         tag = label.split()[1]
@@ -411,6 +413,9 @@ def main(argv=None) -> None:
     ap.add_argument("--in-len", type=int, default=128)
     ap.add_argument("--out-len", type=int, default=128)
     ap.add_argument("--max-bs", type=int, default=256, help="largest decode batch captured in a CUDA graph")
+    ap.add_argument("--baselines", nargs="*", default=list(BASELINE_QUANT), choices=list(BASELINE_QUANT),
+                    help="speed stage: SGLang's own servers timed with the QUADS ones (none: only QUADS; a stage "
+                         "that does not fit one call's time runs in two calls on the same held machine)")
     ap.add_argument("--rac-channels", type=int, default=64)
     ap.add_argument("--profile-batch", type=int, default=64, help="profile stage: the decode batch")
     ap.add_argument("--profile-steps", type=int, default=16, help="profile stage: decode steps traced")
