@@ -76,14 +76,9 @@ def graph_of(fn, device):
     """(replay callable, static output): a CUDA graph on GPU, the eager call elsewhere."""
     if device.type != "cuda":
         return fn, None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
+    from quads_megatron.apps.study.timing import capture_graph
+
+    g, out = capture_graph(fn)
     return g.replay, out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quads_megatron.apps.study.timing import capture_graph
 from quads_megatron.kernels import pdl, w4a4_fused_moe
 from quads_megatron.kernels.fragment_layout import to_fragment_order
 from quads_megatron.kernels.rac_columns import rac_weight_columns
@@ -27,19 +28,6 @@ def test_pdl_where_the_gpu_has_it_and_not_inside_disabled():
     with pdl.disabled():
         assert pdl.pdl_options(dev) == {}
     assert pdl.pdl_options(dev) == ({"USE_PDL": True, "launch_pdl": True} if hopper else {})
-
-
-def _graph(fn):
-    """fn() captured in a CUDA graph after a warm-up: (graph, its static output)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 @gpu
@@ -70,7 +58,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches_gpu(tokens):
         ti.copy_(i)
 
     fill(0)
-    graph, out = _graph(lambda: w4a4_fused_moe(x, *weights, tw, ti, **kw))
+    graph, out = capture_graph(lambda: w4a4_fused_moe(x, *weights, tw, ti, **kw))
     for seed in (1, 2, 3):
         fill(seed)
         graph.replay()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear
+from quads_megatron.apps.study.timing import capture_graph
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
@@ -31,20 +32,6 @@ def _config():
 
     return QuadsConfig(RolloutQuantConfig(precision="w4a4_rac", activation_scaling="per_token",
                                           rac_channels=16))
-
-
-def _capture(fn):
-    """(graph, static output) of fn() after a warm-up on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 def _update(model, load, device):
@@ -183,7 +170,7 @@ def test_update_rewrites_the_same_parameters_with_the_new_weights(sglang_runtime
 def test_graph_replays_updated_weights(sglang_runtime, kind):
     m = LAYERS[kind]("cuda")
     _first_load(m.model, lambda: m.load(1), "cuda")
-    graph, out = _capture(m)
+    graph, out = capture_graph(m, warmup=2)
     graph.replay()
     torch.cuda.synchronize()
     before = out.clone()

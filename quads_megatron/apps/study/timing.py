@@ -66,7 +66,9 @@ def time_ms(fn, *, device, iters: int = 20, warmup: int = 3, mode: str = "events
     return _median(times)
 
 
-def _graph_replay_ms(fn, iters: int, reps: int, warmup: int) -> float:
+def capture_graph(fn, warmup: int = 1) -> tuple:
+    """(CUDA graph, its static output) of ``fn()``, captured after ``warmup`` calls on a side stream (Triton
+    compiles and cuBLAS handles stay out of the capture, as in SGLang's graph runner)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -76,8 +78,16 @@ def _graph_replay_ms(fn, iters: int, reps: int, warmup: int) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _graph_replay_ms(fn, iters: int, reps: int, warmup: int) -> float:
+    def calls():
         for _ in range(reps):
             fn()
+
+    graph, _ = capture_graph(calls, warmup)
     graph.replay()
     torch.cuda.synchronize()
     ts = []
