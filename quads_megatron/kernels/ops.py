@@ -39,7 +39,7 @@ from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
 
-__all__ = ["w4a4_linear", "w4a4_fused_moe", "WEIGHT_LAYOUTS"]
+__all__ = ["w4a4_linear", "w4a4_fused_moe", "moe_configs", "WEIGHT_LAYOUTS"]
 
 # "modelopt": packed codes as in the checkpoint (the v2 main loop); "fragment": the codes in
 # `fragment_layout.to_fragment_order`'s byte order (the v3 main loop), scales unchanged
@@ -132,6 +132,20 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return out.view(*x.shape[:-1], n)
 
 
+def moe_configs(m: int, num_experts: int, hidden: int, f: int, rac13: bool, rac2: bool, frag: bool,
+                num_sms: int) -> tuple:
+    """The (fc1, fc2) `GemmConfig`s `w4a4_fused_moe` launches for m routed rows: the tile by rows per
+    expert (`fragment_config` / `default_config`), fc2 on fc1's block_m (the routing's block), and K
+    split at batch 1-2 where too few tiles fill the GPU (`grouped_split_k`; num_sms 0: no split)."""
+    pick = fragment_config if frag else default_config
+    cfg1 = pick(m / num_experts, 2 * f, hidden, rac=rac13)
+    cfg2 = pick(m / num_experts, hidden, f, rac=rac2)._replace(block_m=cfg1.block_m)
+    if num_sms:
+        cfg1 = cfg1._replace(split_k=grouped_split_k(m, num_experts, 2 * f, hidden, cfg1, num_sms))
+        cfg2 = cfg2._replace(split_k=grouped_split_k(m, num_experts, hidden, f, cfg2, num_sms))
+    return cfg1, cfg2
+
+
 def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w13_scale_2: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                    w2_scale_2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -177,15 +191,11 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if m == 0:
         return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    pick = fragment_config if frag else default_config
-    cfg1, cfg2 = configs if configs is not None else (
-        pick(m / num_experts, 2 * f, hidden, rac=c13 is not None),
-        pick(m / num_experts, hidden, f, rac=c2 is not None))
-    cfg2 = cfg2._replace(block_m=cfg1.block_m)
-    sms = device_sms(x.device)
-    if configs is None and sms:  # batch 1-2: too few tiles to fill the GPU
-        cfg1 = cfg1._replace(split_k=grouped_split_k(m, num_experts, 2 * f, hidden, cfg1, sms))
-        cfg2 = cfg2._replace(split_k=grouped_split_k(m, num_experts, hidden, f, cfg2, sms))
+    if configs is None:
+        cfg1, cfg2 = moe_configs(m, num_experts, hidden, f, c13 is not None, c2 is not None, frag,
+                                 device_sms(x.device))
+    else:
+        cfg1, cfg2 = configs[0], configs[1]._replace(block_m=configs[0].block_m)
     routing = (align_block_size or moe_align_block_size)(topk_ids, cfg1.block_m, num_experts)
     ws13_2 = w13_scale_2.reshape(-1).to(torch.float32).contiguous()
     ws2_2 = w2_scale_2.reshape(-1).to(torch.float32).contiguous()
