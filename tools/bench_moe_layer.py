@@ -78,9 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-kernel", choices=KERNELS, default="v3", help="the kernel --sweep times")
     p.add_argument("--pdl-ab", action="store_true",
                    help="also time the last kernel's w4a4 and w4a4_rac launched without PDL (kernels.pdl)")
-    p.add_argument("--rac-split-ab", action="store_true",
-                   help="also time the last kernel's w4a4_rac with RAC's residual K-steps in programs of their own "
-                        "(GemmConfig.rac_split) toggled from the default")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
     args = p.parse_args(argv)
     if args.tiny:
@@ -380,18 +377,6 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
     return [None] + cands
 
 
-def rac_split_variant(args, t: int, dev) -> tuple:
-    """(name, (fc1, fc2) configs): the default configs of t tokens with `rac_split` toggled (--rac-split-ab)."""
-    from quads_megatron.kernels.gemm import device_sms
-    from quads_megatron.kernels.ops import moe_configs
-
-    cfgs = moe_configs(t * args.moe_router_topk, args.num_experts, args.hidden_size, args.moe_ffn_hidden_size,
-                       True, True, args.kernels[-1] == "v3", device_sms(dev))
-    on = not cfgs[0].rac_split
-    return (variant_name(args.kernels[-1], "w4a4_rac") + (" rac-split" if on else " rac-inline"),
-            tuple(c._replace(rac_split=on) for c in cfgs))
-
-
 def weight_bytes(args, hit: int, rac: bool) -> int:
     """Bytes of weights the layer reads for `hit` experts: codes + e4m3 scales (+ fp16 RAC columns)."""
     h, f, k = args.hidden_size, args.moe_ffn_hidden_size, args.rac_channels
@@ -468,11 +453,6 @@ def run(args) -> dict:
         x = activations(t, args.hidden_size, gen, dev)
         hit = int(ti.unique().numel())
         checks, agreement = check_variants(x, tw, ti, w, args.kernels)
-        if args.rac_split_ab:
-            name, cfgs = rac_split_variant(args, t, dev)
-            layers[name] = quads_layer("w4a4_rac", configs=cfgs, kernel=args.kernels[-1])
-            checks[name] = {"bfloat16": (rel_err(layers[name](x, tw, ti, w), quads_layer(
-                "w4a4_rac", backend="torch")(x, tw, ti, w)), TOL[torch.bfloat16])}
         ms = {}
         for name, layer in layers.items():
             try:
@@ -527,10 +507,6 @@ def main(argv=None) -> int:
           f"RAC k = {args.rac_channels}; ms per layer ({how})")
     print(table(res["rows"], bw, args.kernels))
     for r in res["rows"]:
-        for name in [n for n in r["ms"] if n.endswith((" rac-split", " rac-inline"))]:
-            base = r["ms"][variant_name(args.kernels[-1], "w4a4_rac")]
-            print(f"  T={r['tokens']} {name}: {_ms(r['ms'][name])} ms; default {_ms(base)} ms "
-                  f"({_ratio(base, r['ms'][name])} speed-up)")
         for m in ("w4a4", "w4a4_rac") if args.pdl_ab else ():
             on, off = r["ms"][variant_name(args.kernels[-1], m)], r["ms"][variant_name(args.kernels[-1], m) + " no-pdl"]
             print(f"  T={r['tokens']} {m}: PDL {_ms(on)} ms, plain launches {_ms(off)} ms ({_ratio(off, on)})")

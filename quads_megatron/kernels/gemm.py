@@ -238,7 +238,7 @@ def _w4a4_gemm_kernel(
         c_ptr, stride_cm, bias_ptr, topk_w_ptr,
         sorted_ptr, expert_ptr, npost_ptr,
         M, N, K, K_SPLIT, A_ROW_DIV, NUM_M_BLOCKS,
-        SPLIT_K: tl.constexpr, RAC_PROG: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
         FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -249,7 +249,6 @@ def _w4a4_gemm_kernel(
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
     SPLIT_K > 1: program axis 1 takes K_SPLIT of K and stores its fp32 partial
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
-    RAC_PROG: the last of the SPLIT_K programs runs the residual K-steps alone (its K range is empty).
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
     and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
     pdl_prologue(USE_PDL)
@@ -334,14 +333,12 @@ def _w4a4_gemm_kernel(
         if HAS_RES:
             # RAC: + rq Wq[:, S]^T as k more K-steps (the residual has its own per-row S_dec:
             # rescale the accumulator to it and keep one accumulator)
-            # (split 0, or the RAC program, only: the other splits run no residual step and keep
-            # their S_dec)
+            # (split 0 only: the other splits run no residual step and keep their S_dec)
             rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
             kr_run = KR
             if SPLIT_K > 1:
-                rac_pid: tl.constexpr = SPLIT_K - 1 if RAC_PROG else 0
-                rdec = tl.where(pid_k == rac_pid, rdec, sdec)
-                kr_run = tl.where(pid_k == rac_pid, KR, 0)
+                rdec = tl.where(pid_k == 0, rdec, sdec)
+                kr_run = tl.where(pid_k == 0, KR, 0)
             if SWAP_AB:
                 acc = acc * tl.math.div_rn(sdec, rdec)[None, :]
             else:
@@ -393,7 +390,6 @@ class GemmConfig(NamedTuple):
     swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
     split_k: int = 1  # K split over this many programs per tile, fp32 partials summed (`dense_split_k`)
     max_regs: Optional[int] = None  # Triton's maxnreg: a register cap per thread (more CTAs per SM), None: ptxas'
-    rac_split: bool = False  # RAC's residual K-steps in programs of their own: one more fp32 partial
 
 
 def interpreting() -> bool:
@@ -520,7 +516,8 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         config = default_config(m / max(1, e), n, k, rac=r is not None)
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
-    k_split = triton.cdiv(triton.cdiv(k, config.split_k), bk) * bk
+    split = config.split_k
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     if routing is None:
         num_m_blocks = triton.cdiv(m, bm)
         sorted_ids = expert_ids = npost = w_scale_2
@@ -537,8 +534,6 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                          f"and {tuple(r[0].shape)}")
     rw = comp_weight if kr else w_scale_2
     bkr = min(bk, max(16, triton.next_power_of_2(max(kr, 1))))
-    rac_prog = bool(kr) and config.rac_split
-    split = config.split_k + rac_prog  # fp32 partials per output row
     if split > 1:  # fp32 partials, row m * split + s
         c = torch.empty(m * split, n, dtype=torch.float32, device=out.device)
     else:
@@ -554,7 +549,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         w_scale.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
         sorted_ids, expert_ids, npost, m, n, k, k_split, a_row_div, num_m_blocks,
-        SPLIT_K=split, RAC_PROG=rac_prog, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
+        SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
         EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab,

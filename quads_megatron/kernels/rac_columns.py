@@ -11,8 +11,9 @@ per-tensor scale (weight_scale_2) is applied in the GEMM epilogue, as for the ma
 Cost: 2 bytes per compensated channel and output row, i.e. 2k / (0.5625 K) of the packed
 weight. Smaller forms (packed codes with the scales gathered from weight_scale, or codes plus a
 stored scale byte) were measured slower: the residual step is not pipelined, so their decode
-costs more than their bytes save (docs/benchmarks.md section 5). Whoever owns the weights rebuilds the columns whenever the weight or the channels
-change (SGLang's `process_weights_after_loading`, the local engine's `refresh_rac_columns`
+costs more than their bytes save (docs/benchmarks.md section 5).
+
+Whoever owns the weights rebuilds the columns whenever the weight or the channels change (SGLang's `process_weights_after_loading`, the local engine's `refresh_rac_columns`
 after each weight load and calibration); the ops build them per call when none are passed.
 """
 

@@ -273,15 +273,6 @@ def test_split_k_dense_gemm_cpu(mode, dtype, block_k, split):
                    GemmConfig(16, 16, block_k, 4, 2, split_k=split))
 
 
-@cpu_kernels
-@pytest.mark.parametrize("split,swap", [(1, False), (3, True)])
-def test_rac_program_dense_gemm_cpu(split, swap):
-    """ModelOpt-order codes with the RAC residual in its own program: bias once (split 0), the
-    residual once (the last partial), K split or not."""
-    _check_split_k("cpu", "w4a4_rac", torch.float32, 5, 40, 272, 32,
-                   GemmConfig(16, 16, 16, 4, 2, 8, swap, split_k=split, rac_split=True))
-
-
 @gpu
 @pytest.mark.parametrize("mode,dtype,m,n,k_in", [("w4a4_rac", torch.float32, 16, 2048, 4096),
                                                  ("w4a4_rac", torch.bfloat16, 64, 5120, 2048),
