@@ -13,8 +13,9 @@ weight. Smaller forms (packed codes with the scales gathered from weight_scale, 
 stored scale byte) were measured slower: the residual step is not pipelined, so their decode
 costs more than their bytes save (docs/benchmarks.md section 5).
 
-Whoever owns the weights rebuilds the columns whenever the weight or the channels change (SGLang's `process_weights_after_loading`, the local engine's `refresh_rac_columns`
-after each weight load and calibration); the ops build them per call when none are passed.
+Whoever owns the weights rebuilds the columns whenever the weight or the channels change
+(SGLang's `process_weights_after_loading`, the local engine's `refresh_rac_columns` after each
+weight load and calibration); the ops build them per call when none are passed.
 """
 
 from __future__ import annotations
