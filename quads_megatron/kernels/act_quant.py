@@ -3,8 +3,8 @@
 Per-token amax needs the whole row before any block can be encoded, so this runs as a
 small pre-pass ahead of the GEMM instead of inside its A-tile load: each GEMM program would
 otherwise re-read and re-reduce the full row for every N tile and re-decode the A tile,
-whereas this kernel reads x once (a row of up to `ONE_ROW_MAX_K` stays in registers for the amax, the
-encode and the residual's gather: the decode form; a longer one is swept twice through L1/L2) and writes the
+whereas this kernel reads x once (a row of up to `ONE_ROW_MAX_K` stays in registers for the amax and
+the encode: the decode form; a longer one is swept twice through L1/L2) and writes the
 packed NVFP4 activation (codes, E4M3 scales, per-row S_dec: what a native FP4 GEMM and the
 checkpoint tools read) plus its exact fp16 values e2m1 * e4m3 * 2^-7 (what the Hopper GEMM
 multiplies). Output is bit-identical to `quads_megatron.rac.quantize_compensated` (i.e.
@@ -71,15 +71,13 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 @triton.jit
 def _encode_tile(v, s_enc, s_dec, q_ptr, qs_ptr, v_ptr, rows, rmask, k0, K, WRITE_F16: tl.constexpr,
                  FRAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Encode one [BLOCK_M, BLOCK_K] tile starting at column k0 and store it; returns its codes and
-    decoded block scales."""
+    """Encode one [BLOCK_M, BLOCK_K] tile starting at column k0 and store it."""
     cols = k0 + tl.arange(0, BLOCK_K)[None, :]
     codes, sf_bits, sf_val = nvfp4_block_quantize(v, s_enc[:, None], s_dec[:, None], BLOCK_K // 16, BLOCK_M)
     _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
     if WRITE_F16:
         _store_tile_f16(v_ptr, codes, sf_val, rows, cols, rmask[:, None] & (cols < K), K, BLOCK_M, BLOCK_K,
                         FRAG)
-    return codes, sf_val
 
 
 @triton.jit
@@ -90,8 +88,8 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr = False):
     """ONE_TILE (K <= BLOCK_K, the decode form): the row is read once and stays in registers for
-    the amax, the encode and the residual's gather; else it is read twice (amax, encode) and the
-    residual reads the stored codes back."""
+    the amax and the encode; else it is read twice. The residual reads the stored codes back (a
+    gather from the registers, `tl.gather`, ran 9x slower on the H100 and stalled its GPU tests)."""
     pdl_prologue(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -123,7 +121,7 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
     tl.store(sdec_ptr + rows, s_dec, mask=rmask)
     # 2) encode every 1x16 block of the row
     if ONE_TILE:
-        codes, sf_val = _encode_tile(v, s_enc, s_dec, q_ptr, qs_ptr, v_ptr, rows, rmask, 0, K, WRITE_F16, FRAG,
+        _encode_tile(v, s_enc, s_dec, q_ptr, qs_ptr, v_ptr, rows, rmask, 0, K, WRITE_F16, FRAG,
                                      BLOCK_M, BLOCK_K)
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -133,17 +131,12 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
                          q_ptr, qs_ptr, v_ptr, rows, rmask, k0, K, WRITE_F16, FRAG, BLOCK_M, BLOCK_K)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
-        if ONE_TILE:  # gathered from the registers
-            xv = tl.gather(v, idx, axis=1)
-            code = tl.gather(codes, idx, axis=1)
-            sf = tl.gather(sf_val, idx // 16, axis=1)
-        else:
-            tl.debug_barrier()  # codes and scales just stored are read back
-            xv = _load_act(x_ptr, rows, idx, jm, stride_xm, K, SILU_MUL)
-            rbase = rows[:, None].to(tl.int64)
-            byte = tl.load(q_ptr + rbase * (K // 2) + idx // 2, mask=jm, other=0)
-            code = (byte >> ((idx & 1) * 4).to(tl.uint8)) & 0xF
-            sf = e4m3_decode(tl.load(qs_ptr + rbase * (K // 16) + idx // 16, mask=jm, other=0))
+        tl.debug_barrier()  # codes and scales just stored are read back
+        xv = _load_act(x_ptr, rows, idx, jm, stride_xm, K, SILU_MUL)
+        rbase = rows[:, None].to(tl.int64)
+        byte = tl.load(q_ptr + rbase * (K // 2) + idx // 2, mask=jm, other=0)
+        code = (byte >> ((idx & 1) * 4).to(tl.uint8)) & 0xF
+        sf = e4m3_decode(tl.load(qs_ptr + rbase * (K // 16) + idx // 16, mask=jm, other=0))
         xq = e2m1_decode(code) * sf * s_dec[:, None]
         r = tl.where(jm, xv - xq, 0.0)
         r_enc, r_dec = global_scales(tl.max(tl.abs(r), axis=1))
