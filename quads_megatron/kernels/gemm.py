@@ -36,8 +36,7 @@ is in docs/benchmarks.md).
 GPU (a dense projection: `dense_config`; the grouped one at batch 1-2: `grouped_split_k`): each split
 stores its scaled fp32 partial (bias, routing weight and the RAC residual in split 0's or every
 split's, as they are linear) and `combine.topk_sum` adds them in a fixed order, rounding once, so
-the output rows are rounded exactly where the unsplit launch rounds them. Split 0, which also runs
-the RAC residual's steps, takes fewer main K-steps (`split_k_steps`).
+the output rows are rounded exactly where the unsplit launch rounds them.
 """
 
 from __future__ import annotations
@@ -238,7 +237,7 @@ def _w4a4_gemm_kernel(
         w32_ptr, ws_ptr, ws2_ptr, stride_we, stride_wn, stride_wse, stride_wsn,
         c_ptr, stride_cm, bias_ptr, topk_w_ptr,
         sorted_ptr, expert_ptr, npost_ptr,
-        M, N, K, K_SPLIT, K_FIRST, A_ROW_DIV, NUM_M_BLOCKS,
+        M, N, K, K_SPLIT, A_ROW_DIV, NUM_M_BLOCKS,
         SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -248,7 +247,7 @@ def _w4a4_gemm_kernel(
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
-    SPLIT_K > 1: program axis 1 takes K_FIRST (split 0) or K_SPLIT of K and stores its fp32 partial
+    SPLIT_K > 1: program axis 1 takes K_SPLIT of K and stores its fp32 partial
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
     and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
@@ -266,9 +265,8 @@ def _w4a4_gemm_kernel(
         k_start = 0
         k_end = K
     else:
-        # split 0 takes K_FIRST (it also runs the RAC residual's steps), the later ones K_SPLIT each
-        k_start = tl.multiple_of(tl.where(pid_k == 0, 0, K_FIRST + (pid_k - 1) * K_SPLIT), BLOCK_K)
-        k_end = tl.minimum(K, tl.where(pid_k == 0, K_FIRST, k_start + K_SPLIT))
+        k_start = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)
+        k_end = tl.minimum(K, k_start + K_SPLIT)
 
     offs_m = tl.arange(0, BLOCK_M)
     if ROUTED:
@@ -451,21 +449,6 @@ def grouped_split_k(m: int, num_experts: int, n: int, k: int, config: GemmConfig
     return dense_split_k(programs, triton.cdiv(k, config.block_k), num_sms)
 
 
-# main K-steps that one RAC residual step costs in the split that runs it: its fp16 weight columns
-# (64 channels: 1.8x the bytes of a 128-wide NVFP4 step) are loaded once per tile, unpipelined
-RAC_STEP_COST = 2
-
-
-def split_k_steps(k_steps: int, split: int, rac_steps: int) -> tuple:
-    """(K-steps of split 0, of each later split) for a launch of k_steps split `split` ways. Split 0
-    also runs the RAC residual's rac_steps (`RAC_STEP_COST` each), so it takes fewer main steps and
-    the splits finish together (at decode batch 1 fc1's split 0 otherwise sets the launch's time)."""
-    later = triton.cdiv(k_steps + RAC_STEP_COST * rac_steps * (split > 1), split)
-    if not rac_steps or split == 1:
-        return later, later
-    return max(0, k_steps - (split - 1) * later), later
-
-
 def device_sms(device: torch.device) -> int:
     """SMs of a CUDA device for the split-K choice; 0 (no split) on CPU and in the interpreter."""
     return _num_sms(device) if device.type == "cuda" and not interpreting() else 0
@@ -534,6 +517,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
     split = config.split_k
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     if routing is None:
         num_m_blocks = triton.cdiv(m, bm)
         sorted_ids = expert_ids = npost = w_scale_2
@@ -550,7 +534,6 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                          f"and {tuple(r[0].shape)}")
     rw = comp_weight if kr else w_scale_2
     bkr = min(bk, max(16, triton.next_power_of_2(max(kr, 1))))
-    first, later = split_k_steps(triton.cdiv(k, bk), split, triton.cdiv(kr, bkr))
     if split > 1:  # fp32 partials, row m * split + s
         c = torch.empty(m * split, n, dtype=torch.float32, device=out.device)
     else:
@@ -565,7 +548,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), w_scale.stride(0),
         w_scale.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
-        sorted_ids, expert_ids, npost, m, n, k, later * bk, first * bk, a_row_div, num_m_blocks,
+        sorted_ids, expert_ids, npost, m, n, k, k_split, a_row_div, num_m_blocks,
         SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
