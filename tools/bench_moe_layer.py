@@ -76,8 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our kernels timed in the same run (the last one is the table's ratios)")
     p.add_argument("--sweep", action="store_true", help="also time w4a4 and w4a4_rac with several (fc1, fc2) tile configs")
     p.add_argument("--sweep-kernel", choices=KERNELS, default="v3", help="the kernel --sweep times")
-    p.add_argument("--prefetch-ab", action="store_true",
-                   help="also time the last kernel's w4a4 and w4a4_rac without the GEMMs' L2 prefetches")
     p.add_argument("--pdl-ab", action="store_true",
                    help="also time the last kernel's w4a4 and w4a4_rac launched without PDL (kernels.pdl)")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
@@ -283,19 +281,6 @@ def without_pdl(layer: Callable) -> Callable:
     return run
 
 
-def without_prefetch(layer: Callable) -> Callable:
-    """The layer without the GEMMs' L2 prefetches (`gemm.PREFETCH_WEIGHTS`; captured so)."""
-    from quads_megatron.kernels import gemm
-
-    def run(*args):
-        gemm.PREFETCH_WEIGHTS = False
-        try:
-            return layer(*args)
-        finally:
-            gemm.PREFETCH_WEIGHTS = True
-    return run
-
-
 def variant_name(kernel: str, mode: str) -> str:
     return f"{kernel} {mode}"
 
@@ -452,10 +437,6 @@ def run(args) -> dict:
     if args.pdl_ab:
         for m in ("w4a4", "w4a4_rac"):
             layers[variant_name(args.kernels[-1], m) + " no-pdl"] = without_pdl(quads_layer(m, kernel=args.kernels[-1]))
-    if args.prefetch_ab:
-        for m in ("w4a4", "w4a4_rac"):
-            layers[variant_name(args.kernels[-1], m) + " no-prefetch"] = without_prefetch(
-                quads_layer(m, kernel=args.kernels[-1]))
     import triton
 
     copy_bw = copy_bandwidth(dev)
@@ -529,10 +510,6 @@ def main(argv=None) -> int:
         for m in ("w4a4", "w4a4_rac") if args.pdl_ab else ():
             on, off = r["ms"][variant_name(args.kernels[-1], m)], r["ms"][variant_name(args.kernels[-1], m) + " no-pdl"]
             print(f"  T={r['tokens']} {m}: PDL {_ms(on)} ms, plain launches {_ms(off)} ms ({_ratio(off, on)})")
-        for m in ("w4a4", "w4a4_rac") if args.prefetch_ab else ():
-            on = r["ms"][variant_name(args.kernels[-1], m)]
-            off = r["ms"][variant_name(args.kernels[-1], m) + " no-prefetch"]
-            print(f"  T={r['tokens']} {m}: L2 prefetch {_ms(on)} ms, none {_ms(off)} ms ({_ratio(off, on)})")
         for key, v in r["ms"].get("sweep", {}).items():
             print(f"  T={r['tokens']} {key}: {_ms(v)} ms")
         for name, kernels in r["ms"].get("profile", {}).items():

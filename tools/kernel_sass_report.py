@@ -48,8 +48,7 @@ def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
     names = kern.arg_names
     consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac,
                   W4A16=w4a16, DOT_F32=False, EVEN_K=True, EVEN_KR=True, SWAP_AB=cfg.swap_ab,
-                  FRAG=frag, FRAG_ASM=frag, PREFETCH_RES=rac, PREFETCH_EARLY=frag, USE_PDL=True,
-                  OUT_BF16=True, BLOCK_M=cfg.block_m,
+                  FRAG=frag, FRAG_ASM=frag, OUT_BF16=True, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KR=64, GROUP_M=cfg.group_m)
     ptrs = dict(POINTERS, ws_ptr="*u16" if frag else "*u8",
                 a_ptr="*bf16" if w4a16 else "*fp16")

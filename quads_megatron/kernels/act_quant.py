@@ -3,8 +3,7 @@
 Per-token amax needs the whole row before any block can be encoded, so this runs as a
 small pre-pass ahead of the GEMM instead of inside its A-tile load: each GEMM program would
 otherwise re-read and re-reduce the full row for every N tile and re-decode the A tile,
-whereas this kernel reads x once (a row of up to `ONE_ROW_MAX_K` stays in registers for the amax and
-the encode: the decode form; a longer one is swept twice through L1/L2) and writes the
+whereas this kernel reads x once (two sweeps over a row that stays in L1/L2) and writes the
 packed NVFP4 activation (codes, E4M3 scales, per-row S_dec: what a native FP4 GEMM and the
 checkpoint tools read) plus its exact fp16 values e2m1 * e4m3 * 2^-7 (what the Hopper GEMM
 multiplies). Output is bit-identical to `quads_megatron.rac.quantize_compensated` (i.e.
@@ -69,87 +68,63 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 
 
 @triton.jit
-def _encode_tile(v, s_enc, s_dec, q_ptr, qs_ptr, v_ptr, rows, rmask, k0, K, WRITE_F16: tl.constexpr,
-                 FRAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Encode one [BLOCK_M, BLOCK_K] tile starting at column k0 and store it."""
-    cols = k0 + tl.arange(0, BLOCK_K)[None, :]
-    codes, sf_bits, sf_val = nvfp4_block_quantize(v, s_enc[:, None], s_dec[:, None], BLOCK_K // 16, BLOCK_M)
-    _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
-    if WRITE_F16:
-        _store_tile_f16(v_ptr, codes, sf_val, rows, cols, rmask[:, None] & (cols < K), K, BLOCK_M, BLOCK_K,
-                        FRAG)
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
                       comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
                       WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr,
                       SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_KR: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """ONE_TILE (K <= BLOCK_K, the decode form): the row is read once and stays in registers for
-    the amax and the encode; else it is read twice. The residual reads the stored codes back (a
-    gather from the registers, `tl.gather`, ran 9x slower on the H100 and stalled its GPU tests)."""
+                      BLOCK_KR: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_prologue(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     offs_k = tl.arange(0, BLOCK_K)
-    if HAS_RES:  # the residual's channels, loaded ahead of the row's use of them
-        j = tl.arange(0, BLOCK_KR)
-        if HAS_GROUP:
-            grp = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            grp = tl.zeros((BLOCK_M,), tl.int64)
-        jm = rmask[:, None] & (j < KR)[None, :]
-        idx = tl.load(comp_ptr + grp[:, None] * comp_stride_g + j[None, :], mask=jm, other=0)
-    if ONE_TILE:
-        v = _load_act(x_ptr, rows, offs_k[None, :], rmask[:, None] & (offs_k < K)[None, :], stride_xm, K,
-                      SILU_MUL)
     # 1) global scales: per-row amax (dynamic) or the static per-tensor amax
     if STATIC:
         amax = tl.zeros((BLOCK_M,), tl.float32) + tl.load(amax_ptr)
-    elif ONE_TILE:
-        amax = tl.max(tl.abs(v), axis=1)
     else:
         amax = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + offs_k
             m = rmask[:, None] & (cols < K)[None, :]
-            amax = tl.maximum(amax, tl.max(tl.abs(_load_act(x_ptr, rows, cols[None, :], m, stride_xm, K,
-                                                                  SILU_MUL)), axis=1))
+            v = _load_act(x_ptr, rows, cols[None, :], m, stride_xm, K, SILU_MUL)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     s_enc, s_dec = global_scales(amax)
     tl.store(sdec_ptr + rows, s_dec, mask=rmask)
     # 2) encode every 1x16 block of the row
-    if ONE_TILE:
-        _encode_tile(v, s_enc, s_dec, q_ptr, qs_ptr, v_ptr, rows, rmask, 0, K, WRITE_F16, FRAG,
-                                     BLOCK_M, BLOCK_K)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs_k
-            m = rmask[:, None] & (cols < K)[None, :]
-            _encode_tile(_load_act(x_ptr, rows, cols[None, :], m, stride_xm, K, SILU_MUL), s_enc, s_dec,
-                         q_ptr, qs_ptr, v_ptr, rows, rmask, k0, K, WRITE_F16, FRAG, BLOCK_M, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        m = rmask[:, None] & (cols < K)[None, :]
+        v = _load_act(x_ptr, rows, cols[None, :], m, stride_xm, K, SILU_MUL)
+        codes, sf_bits, sf_val = nvfp4_block_quantize(v, s_enc[:, None], s_dec[:, None],
+                                                      BLOCK_K // 16, BLOCK_M)
+        _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
+        if WRITE_F16:
+            _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K, FRAG)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
         tl.debug_barrier()  # codes and scales just stored are read back
-        xv = _load_act(x_ptr, rows, idx, jm, stride_xm, K, SILU_MUL)
+        j = tl.arange(0, BLOCK_KR)
+        jmask = j < KR
+        if HAS_GROUP:
+            grp = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            grp = tl.zeros((BLOCK_M,), tl.int64)
+        m = rmask[:, None] & jmask[None, :]
+        idx = tl.load(comp_ptr + grp[:, None] * comp_stride_g + j[None, :], mask=m, other=0)
+        xv = _load_act(x_ptr, rows, idx, m, stride_xm, K, SILU_MUL)
         rbase = rows[:, None].to(tl.int64)
-        byte = tl.load(q_ptr + rbase * (K // 2) + idx // 2, mask=jm, other=0)
+        byte = tl.load(q_ptr + rbase * (K // 2) + idx // 2, mask=m, other=0)
         code = (byte >> ((idx & 1) * 4).to(tl.uint8)) & 0xF
-        sf = e4m3_decode(tl.load(qs_ptr + rbase * (K // 16) + idx // 16, mask=jm, other=0))
+        sf = e4m3_decode(tl.load(qs_ptr + rbase * (K // 16) + idx // 16, mask=m, other=0))
         xq = e2m1_decode(code) * sf * s_dec[:, None]
-        r = tl.where(jm, xv - xq, 0.0)
+        r = tl.where(m, xv - xq, 0.0)
         r_enc, r_dec = global_scales(tl.max(tl.abs(r), axis=1))
         tl.store(rsdec_ptr + rows, r_dec, mask=rmask)
         rcodes, rsf_bits, rsf_val = nvfp4_block_quantize(r, r_enc[:, None], r_dec[:, None],
                                                          BLOCK_KR // 16, BLOCK_M)
         _store_packed(r_ptr, rs_ptr, rcodes, rsf_bits, rows, rmask, 0, KR, BLOCK_M, BLOCK_KR)
         if WRITE_F16:
-            _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], jm, KR, BLOCK_M, BLOCK_KR)
-
-
-# the widest tile of a one-row program: rows up to this K are read once (the decode form, `ONE_TILE`)
-ONE_ROW_MAX_K = 4096
+            _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], m, KR, BLOCK_M, BLOCK_KR)
 
 
 class QuantizedActivation(NamedTuple):
@@ -178,8 +153,8 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual);
     fragment_order: the activation's fp16 values in the fragment GEMM's K order
     (`fragment_layout.fragment_columns`: values[:, p] = x's value at column fragment_columns(K)[p]);
-    block_m: rows per program (default: 1 row below 512 rows, where a few 4-row programs would leave
-    the GPU idle, the whole row in one tile up to `ONE_ROW_MAX_K`; else 4 rows with 256-wide tiles).
+    block_m: rows per program (default: 1 row with 1024-wide tiles below 512 rows, where a few
+    4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles).
     Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
     `quads_megatron.rac.quantize_compensated`.
     """
@@ -221,7 +196,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
                                    r_values)
     if block_m is None:
         block_m = 1 if m_rows < 512 else 4
-    block_k = min(ONE_ROW_MAX_K if block_m == 1 else 256, triton.next_power_of_2(k))
+    block_k = min(1024 if block_m == 1 else 256, triton.next_power_of_2(k))
     block_kr = max(16, triton.next_power_of_2(max(kr, 1)))
     grid = (triton.cdiv(m_rows, block_m),)
     _act_quant_kernel[grid](
@@ -231,5 +206,5 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values, FRAG=fragment_order,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_KR=block_kr, ONE_TILE=k <= block_k, num_warps=4, enable_fp_fusion=False, **pdl_options(x.device))
+        BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False, **pdl_options(x.device))
     return QuantizedActivation(data, scale, s_dec, values, r_data, r_scale, r_s_dec, r_values)

@@ -36,8 +36,7 @@ is in docs/benchmarks.md).
 GPU (a dense projection: `dense_config`; the grouped one at batch 1-2: `grouped_split_k`): each split
 stores its scaled fp32 partial (bias, routing weight and the RAC residual in split 0's or every
 split's, as they are linear) and `combine.topk_sum` adds them in a fixed order, rounding once, so
-the output rows are rounded exactly where the unsplit launch rounds them. Split 0, which also runs
-the RAC residual's steps, takes fewer main K-steps (`split_k_steps`).
+the output rows are rounded exactly where the unsplit launch rounds them.
 """
 
 from __future__ import annotations
@@ -210,35 +209,6 @@ def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, 
     return acc
 
 
-_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (one `prefetch.global.L2` per element; nothing waits on
-    it, and L2 is where every write lands, so a prefetched line is never stale)."""
-    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_fragment_steps(w32_ptr, ws_ptr, expert, stride_we, stride_wse, stride_wsn, pid_n, N, K,
-                             k_start, STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Into L2: the program's first STEPS K-steps of fragment-order codes (each atom's steps are
-    contiguous 4 KB blocks: 32 lines a step) and their scale bytes (8 a row and step)."""
-    NA: tl.constexpr = BLOCK_N // 64
-    n_steps = K // 128
-    i = tl.arange(0, NA * STEPS * 32)
-    atom = tl.minimum(pid_n * NA + i // (STEPS * 32), N // 64 - 1)
-    step = tl.minimum(k_start // 128 + (i // 32) % STEPS, n_steps - 1)
-    _prefetch_l2(w32_ptr + expert * (stride_we // 4) + (atom * n_steps + step) * 1024 + (i % 32) * 32)
-    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-    last = tl.minimum(k_start // 128 + STEPS, n_steps) * 8 - 1   # the last scale byte, maybe a line on
-    s_rows = ws_ptr.to(tl.pointer_type(tl.uint8)) + expert * stride_wse + rows * stride_wsn
-    _prefetch_l2(s_rows + (k_start // 128) * 8)
-    _prefetch_l2(s_rows + last)
-
-
 @triton.jit
 def _mma(acc, a, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
     """acc [M, N] += a [M, K] w [N, K]^T; SWAP_AB: acc [N, M] += w a^T, so the weight tile decoded in
@@ -267,21 +237,21 @@ def _w4a4_gemm_kernel(
         w32_ptr, ws_ptr, ws2_ptr, stride_we, stride_wn, stride_wse, stride_wsn,
         c_ptr, stride_cm, bias_ptr, topk_w_ptr,
         sorted_ptr, expert_ptr, npost_ptr,
-        M, N, K, K_SPLIT, K_FIRST, A_ROW_DIV, NUM_M_BLOCKS, NUM_E,
+        M, N, K, K_SPLIT, A_ROW_DIV, NUM_M_BLOCKS,
         SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
-        FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, PREFETCH_RES: tl.constexpr, PREFETCH_EARLY: tl.constexpr,
-        OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr, USE_PDL: tl.constexpr = False):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
     + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
-    SPLIT_K > 1: program axis 1 takes K_FIRST (split 0) or K_SPLIT of K and stores its fp32 partial
+    SPLIT_K > 1: program axis 1 takes K_SPLIT of K and stores its fp32 partial
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
     and decode to value * scale * 2^-6 (FRAG_ASM: inline asm; else plain Triton)."""
+    pdl_prologue(USE_PDL)
     # program -> (m block, n tile); GROUP_M m-blocks share an n sweep (L2 reuse of A and W)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -295,26 +265,8 @@ def _w4a4_gemm_kernel(
         k_start = 0
         k_end = K
     else:
-        # split 0 takes K_FIRST (it also runs the RAC residual's steps), the later ones K_SPLIT each
-        k_start = tl.multiple_of(tl.where(pid_k == 0, 0, K_FIRST + (pid_k - 1) * K_SPLIT), BLOCK_K)
-        k_end = tl.minimum(K, tl.where(pid_k == 0, K_FIRST, k_start + K_SPLIT))
-    if PREFETCH_EARLY:
-        # before the PDL wait, while the previous kernel (the activation pre-pass) still runs: the first
-        # K-steps of this program's weights (and the RAC columns) into L2. Reads only what kernels before
-        # the previous one wrote (the routing: `early_routing`), so nothing read here can be unfinished.
-        live = True
-        pf_expert = 0
-        if ROUTED:
-            live = pid_m * BLOCK_M < tl.load(npost_ptr)
-            pf_expert = tl.minimum(tl.maximum(tl.load(expert_ptr + pid_m), 0), NUM_E - 1).to(tl.int64)
-        if live:
-            _prefetch_fragment_steps(w32_ptr, ws_ptr, pf_expert, stride_we, stride_wse, stride_wsn, pid_n,
-                                     N, K, k_start, PREFETCH_STEPS, BLOCK_N)
-            if PREFETCH_RES:
-                if pid_k == 0:
-                    _prefetch_l2(rw_ptr + pf_expert * stride_rwe
-                                 + tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1) * stride_rwn)
-    pdl_prologue(USE_PDL)
+        k_start = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)
+        k_end = tl.minimum(K, k_start + K_SPLIT)
 
     offs_m = tl.arange(0, BLOCK_M)
     if ROUTED:
@@ -341,9 +293,6 @@ def _w4a4_gemm_kernel(
     s_ptrs = ws_ptr + expert * stride_wse + offs_nl[:, None] * stride_wsn \
         + (tl.multiple_of(k_start // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16))[None, :]
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + tl.arange(0, BLOCK_K))[None, :]
-    if PREFETCH_RES and not PREFETCH_EARLY:  # the residual's weight columns (a 128-byte row each at k = 64)
-        if pid_k == 0:
-            _prefetch_l2(rw_ptr + expert * stride_rwe + offs_nl * stride_rwn)
 
     if SWAP_AB:  # accumulate C^T (transposed back before the epilogue)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -500,26 +449,6 @@ def grouped_split_k(m: int, num_experts: int, n: int, k: int, config: GemmConfig
     return dense_split_k(programs, triton.cdiv(k, config.block_k), num_sms)
 
 
-# L2 prefetch of each program's first K-steps before its PDL wait, and of the RAC residual's weight
-# columns (A/B switch of tools/bench_moe_layer.py --prefetch-ab; removed with the losing side once timed)
-PREFETCH_WEIGHTS = True
-PREFETCH_STEPS = tl.constexpr(4)  # K-steps of each program's weights prefetched before its PDL wait
-
-# main K-steps that one RAC residual step costs in the split that runs it: its fp16 weight columns
-# (64 channels: 1.8x the bytes of a 128-wide NVFP4 step) are loaded once per tile, unpipelined
-RAC_STEP_COST = 2
-
-
-def split_k_steps(k_steps: int, split: int, rac_steps: int) -> tuple:
-    """(K-steps of split 0, of each later split) for a launch of k_steps split `split` ways. Split 0
-    also runs the RAC residual's rac_steps (`RAC_STEP_COST` each), so it takes fewer main steps and
-    the splits finish together (at decode batch 1 fc1's split 0 otherwise sets the launch's time)."""
-    later = triton.cdiv(k_steps + RAC_STEP_COST * rac_steps * (split > 1), split)
-    if not rac_steps or split == 1:
-        return later, later
-    return max(0, k_steps - (split - 1) * later), later
-
-
 def device_sms(device: torch.device) -> int:
     """SMs of a CUDA device for the split-K choice; 0 (no split) on CPU and in the interpreter."""
     return _num_sms(device) if device.type == "cuda" and not interpreting() else 0
@@ -557,15 +486,12 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                 w_scale: torch.Tensor, w_scale_2: torch.Tensor, out: torch.Tensor, *, m: int,
                 w4a16: bool = False, r=None, comp_weight: Optional[torch.Tensor] = None,
                 bias=None, routing=None, a_row_div: int = 1, topk_weights=None,
-                config: Optional[GemmConfig] = None, fragment_layout: bool = False,
-                early_routing: bool = False) -> torch.Tensor:
+                config: Optional[GemmConfig] = None, fragment_layout: bool = False) -> torch.Tensor:
     """Run the kernel. a: the exact fp16 activation values of act_quant [Ma, K] (or the float
     x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
     expert_ids, num_post) for the grouped form; RAC: r = (values [Ma, k], s_dec [Ma]) of the
     residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`);
-    fragment_layout: w is in `fragment_layout.to_fragment_order`'s byte order (the v3 main loop);
-    early_routing: `routing` was written by a kernel before the previous one (a pre-pass runs between),
-    so with PDL the programs prefetch their weights before waiting for the previous kernel."""
+    fragment_layout: w is in `fragment_layout.to_fragment_order`'s byte order (the v3 main loop)."""
     e, n, k2 = w.shape
     k = k2 * 2
     if a.stride(-1) != 1:
@@ -591,6 +517,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(k)))
     split = config.split_k
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     if routing is None:
         num_m_blocks = triton.cdiv(m, bm)
         sorted_ids = expert_ids = npost = w_scale_2
@@ -607,7 +534,6 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
                          f"and {tuple(r[0].shape)}")
     rw = comp_weight if kr else w_scale_2
     bkr = min(bk, max(16, triton.next_power_of_2(max(kr, 1))))
-    first, later = split_k_steps(triton.cdiv(k, bk), split, triton.cdiv(kr, bkr))
     if split > 1:  # fp32 partials, row m * split + s
         c = torch.empty(m * split, n, dtype=torch.float32, device=out.device)
     else:
@@ -615,7 +541,6 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     out_bf16 = c.dtype == torch.uint16
     grid = (num_m_blocks * triton.cdiv(n, bn), split)
     ws = w_scale.view(torch.uint16 if fragment_layout else torch.uint8)
-    pdl = pdl_options(a.device)
     _w4a4_gemm_kernel[grid](
         a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
         r[0] if kr else a, r[1] if kr else w_scale_2, kr,
@@ -623,19 +548,16 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), w_scale.stride(0),
         w_scale.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
         topk_weights if topk_weights is not None else w_scale_2,
-        sorted_ids, expert_ids, npost, m, n, k, later * bk, first * bk, a_row_div, num_m_blocks, e,
+        sorted_ids, expert_ids, npost, m, n, k, k_split, a_row_div, num_m_blocks,
         SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
         EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab,
         FRAG=fragment_layout, FRAG_ASM=fragment_layout and not interpreting(),
-        PREFETCH_RES=kr > 0 and PREFETCH_WEIGHTS and a.is_cuda and not interpreting(),
-        PREFETCH_EARLY=(PREFETCH_WEIGHTS and fragment_layout and "USE_PDL" in pdl
-                        and (routing is None or early_routing)),
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({} if config.max_regs is None else {"maxnreg": config.max_regs}), **pdl)
+        **({} if config.max_regs is None else {"maxnreg": config.max_regs}), **pdl_options(a.device))
     if split > 1:
         topk_sum(c, split, out=out)
     return out

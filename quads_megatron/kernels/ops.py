@@ -214,12 +214,12 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
             w13_comp_weight = _rac_columns(w13, w13_scale, c13, frag)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_weight=w13_comp_weight if r is not None else None, routing=routing,
-                    a_row_div=topk, config=cfg1, fragment_layout=frag, early_routing=True)
+                    a_row_div=topk, config=cfg1, fragment_layout=frag)
     rows = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if act_mode == "w4a16":
         launch_gemm(h, None, w2, w2_scale, ws2_2, rows, m=m, w4a16=True, routing=routing,
-                    topk_weights=tw, config=cfg2, fragment_layout=frag, early_routing=True)
+                    topk_weights=tw, config=cfg2, fragment_layout=frag)
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
         qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
@@ -229,5 +229,5 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
             w2_comp_weight = _rac_columns(w2, w2_scale, c2, frag)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_weight=w2_comp_weight if r is not None else None, routing=routing,
-                    topk_weights=tw, config=cfg2, fragment_layout=frag, early_routing=True)
+                    topk_weights=tw, config=cfg2, fragment_layout=frag)
     return topk_sum(rows, topk)
