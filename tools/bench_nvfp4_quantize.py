@@ -87,7 +87,10 @@ def main():
     got = nvfp4.fake_quantize_grouped(experts)
     assert torch.equal(got[5].view(torch.int16), ref.view(torch.int16)), "grouped kernel != fake_quantize"
     amax, bad = nvfp4.amax_grouped(experts)
-    for br, bk, w in [(8, 256, 4), (4, 512, 4), (8, 512, 4), (16, 256, 4), (4, 256, 4), (8, 128, 4)]:
+    # a thread owns whole 16-element blocks: tiles with rows x K/16 >= 32 x warps blocks keep every thread busy
+    tiles = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (2, 1024, 4),
+             (4, 1024, 4), (4, 256, 4)]
+    for br, bk, w in tiles:
         t = {"block_r": br, "block_k": bk, "num_warps": w}
         row(f"grouped fake-quant fc1, amax given, {br}x{bk} w{w}",
             lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, amax=amax,
@@ -96,13 +99,24 @@ def main():
     row("grouped quantize fc1 (default tile)", lambda: nvfp4.quantize_grouped(experts), 2.5625 * ge)
     want = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad)
     # (32-bit code stores, four bytes packed in registers, measured 1.7x slower: removed)
-    for br, bk, w in [(4, 256, 4), (8, 128, 4), (8, 256, 4), (4, 512, 4)]:
+    for br, bk, w in tiles:
         t = {"block_r": br, "block_k": bk, "num_warps": w}
         got = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad, tile=t)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
         row(f"grouped quantize fc1, amax given, {br}x{bk} w{w}",
             lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad,
                                                tile=t), 2.5625 * ge)
+    # the refit: fake-quantized bf16 and packed codes + scales from one read (4.5625 B/element)
+    fake_want = nvfp4.fake_quantize_grouped(experts, amax=amax, nonfinite=bad)
+    for br, bk, w in tiles:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        got = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, pack=True, amax=amax,
+                                     bad=bad, tile=t)
+        assert torch.equal(got[0].view(torch.int16), fake_want.view(torch.int16)) and torch.equal(
+            got[1], want[0]) and torch.equal(got[2].view(torch.uint8), want[1].view(torch.uint8)), f"refit {t}"
+        row(f"grouped refit fc1 (fake + pack), amax given, {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, pack=True,
+                                               amax=amax, bad=bad, tile=t), 4.5625 * ge)
     for br, bk, w in [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (4, 1024, 4), (16, 1024, 8)]:
         t = {"block_r": br, "block_k": bk, "num_warps": w}
         row(f"grouped amax fc1 {br}x{bk} w{w}", lambda t=t: triton_kernels.grouped(

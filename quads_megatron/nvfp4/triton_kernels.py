@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from quads_megatron.errors import InputError
+
 try:  # triton is a dependency of torch on Linux, but keep the numerics importable without it
     import triton
     import triton.language as tl
@@ -168,10 +170,22 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def store_pairs(ptr, lo, hi, mask, IN_KIND: tl.constexpr):
-        """The inverse of `load_pairs` (bf16 rounded to nearest even, as torch's cast)."""
+    def bf16x2(lo, hi, ASM: tl.constexpr):
+        """Two fp32 -> one int32 word of bf16 (lo in the low half), round to nearest even. ASM: one
+        `cvt.rn.bf16x2.f32` per pair on the GPU; else `bf16_round` bit moves (the interpreter's cast
+        truncates). The same bits for every non-NaN input; NaN stays NaN."""
+        if ASM:
+            return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return bf16_round(lo) | (bf16_round(hi) << 16)
+
+    @triton.jit
+    def store_pairs(ptr, lo, hi, mask, IN_KIND: tl.constexpr, ASM: tl.constexpr = False):
+        """The inverse of `load_pairs` (bf16 rounded to nearest even, as torch's cast; ASM: see
+        `bf16x2`)."""
         if IN_KIND == 0:
-            w = bf16_round(lo) | (bf16_round(hi) << 16)
+            w = bf16x2(lo, hi, ASM)
         elif IN_KIND == 1:
             w = (lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
                  | (hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32) << 16))
@@ -181,24 +195,33 @@ if triton is not None:
         tl.store(ptr, w, mask=mask)
 
     @triton.jit
+    def pairs_max(lo, hi):
+        """max |x| over the last axis of a [rows, blocks, n] tile of element pairs -> [rows, blocks]."""
+        return tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+
+    @triton.jit
+    def encode_pairs(lo, hi, enc):
+        """E2M1 of a [rows, blocks, n] tile of element pairs with each block's encode scale `enc`
+        [rows, blocks] -> (packed codes uint8, signed E2M1 values of the even and odd elements)."""
+        c_lo, v_lo = e2m1_round(tl.minimum(tl.abs(lo * enc[:, :, None]), 6.0))
+        c_hi, v_hi = e2m1_round(tl.minimum(tl.abs(hi * enc[:, :, None]), 6.0))
+        s_lo = (lo < 0).to(tl.int32)
+        s_hi = (hi < 0).to(tl.int32)
+        packed = (c_lo | (s_lo << 3) | (c_hi << 4) | (s_hi << 7)).to(tl.uint8)
+        # the sign as a bit: negating in fp arithmetic may compile to 0 - v, which loses -0.0
+        signed_lo = (v_lo.to(tl.int32, bitcast=True) | (s_lo << 31)).to(tl.float32, bitcast=True)
+        signed_hi = (v_hi.to(tl.int32, bitcast=True) | (s_hi << 31)).to(tl.float32, bitcast=True)
+        return packed, signed_lo, signed_hi
+
+    @triton.jit
     def quantize_pairs(lo, hi, s_enc, s_dec):
         """NVFP4 of a [rows, blocks, 8] tile of element pairs (TE's operation order).
 
         Returns (packed codes uint8 [rows, blocks, 8], scale bits [rows, blocks], decoded scale
         [rows, blocks], signed E2M1 values of the even and odd elements). s_enc / s_dec: scalars or
         [rows, 1]. Unused results cost nothing (the compiler drops them)."""
-        vmax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
-        sf_bits, sf_val, enc = block_scales(vmax, s_enc, s_dec)
-        c_lo, v_lo = e2m1_round(tl.minimum(tl.abs(lo * enc[:, :, None]), 6.0))
-        c_hi, v_hi = e2m1_round(tl.minimum(tl.abs(hi * enc[:, :, None]), 6.0))
-        neg_lo = lo < 0
-        neg_hi = hi < 0
-        s_lo = neg_lo.to(tl.int32)
-        s_hi = neg_hi.to(tl.int32)
-        packed = (c_lo | (s_lo << 3) | (c_hi << 4) | (s_hi << 7)).to(tl.uint8)
-        # the sign as a bit: negating in fp arithmetic may compile to 0 - v, which loses -0.0
-        signed_lo = (v_lo.to(tl.int32, bitcast=True) | (s_lo << 31)).to(tl.float32, bitcast=True)
-        signed_hi = (v_hi.to(tl.int32, bitcast=True) | (s_hi << 31)).to(tl.float32, bitcast=True)
+        sf_bits, sf_val, enc = block_scales(pairs_max(lo, hi), s_enc, s_dec)
+        packed, signed_lo, signed_hi = encode_pairs(lo, hi, enc)
         return packed, sf_bits, sf_val, signed_lo, signed_hi
 
     @triton.jit
@@ -272,7 +295,8 @@ if triton is not None:
     @triton.jit
     def _grouped_kernel(tab_ptr, q_ptr, s_ptr, dqw_ptr, sdec_ptr, amax_ptr, bad_ptr, R, K,
                         GROUP: tl.constexpr, MODE: tl.constexpr, FAKE: tl.constexpr, PACK: tl.constexpr,
-                        IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                        IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ALIGNED: tl.constexpr = False, ASM: tl.constexpr = False):
         """NVFP4 of G scale groups of GROUP matrices [R, K] each (pointer table `tab_ptr`), one global
         scale per group, outputs stacked [G * GROUP, R, ...]; a program owns BLOCK_R rows (all of K)
         of one group. MODE 2: the amax pass (max|x| and a NaN/Inf flag per group, atomics into
@@ -280,7 +304,8 @@ if triton is not None:
         packed codes and scales (PACK), or both from one read (the refit: AQAT cache and rollout weights). A
         group holding NaN/Inf gets a NaN S_dec,
         so it decodes to NaN and never to finite garbage. Two launches, not one: quantize programs
-        waiting on per-group counters in a single launch were slower (docs/benchmarks.md)."""
+        waiting on per-group counters in a single launch were slower (docs/benchmarks.md).
+        ALIGNED: every row starts on 16 bytes (128-bit loads); ASM: the GPU's bf16 pair convert."""
         NB: tl.constexpr = BLOCK_K // 16
         GR = GROUP * R
         T = tl.cdiv(GR, BLOCK_R)
@@ -297,6 +322,8 @@ if triton is not None:
             rows_ptr = row_addr.to(tl.pointer_type(tl.int64))
         else:
             rows_ptr = row_addr.to(tl.pointer_type(tl.int32))
+        if ALIGNED:
+            rows_ptr = tl.multiple_of(rows_ptr, 16)
         out_row = (g * GR + gr).to(tl.int64)
         cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
         if MODE == 2:
@@ -319,19 +346,31 @@ if triton is not None:
             s_out = tl.where((bad > 0) | (amax != amax), float("nan"), s_dec)
             if t == 0:
                 tl.store(sdec_ptr + g, s_out)
+            # a thread owns whole 16-element blocks: the words of each block's two halves are loaded as
+            # two tiles of one layout, so the block max, its scale and the scale's store stay in-thread
+            half = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
             for k0 in range(0, K // 2, BLOCK_K // 2):
-                mask = rmask[:, None, None] & (k0 + cols < K // 2)
-                lo, hi = load_pairs(rows_ptr[:, None, None] + k0 + cols, mask, IN_KIND)
-                packed, sf_bits, sf_val, v_lo, v_hi = quantize_pairs(lo, hi, s_enc, s_dec)
-                woffs = out_row[:, None, None] * (K // 2) + k0 + cols
+                mask = rmask[:, None, None] & (k0 + half < K // 2)
+                src = rows_ptr[:, None, None] + k0 + half
+                a_lo, a_hi = load_pairs(src, mask, IN_KIND)
+                b_lo, b_hi = load_pairs(src + 4, mask, IN_KIND)
+                sf_bits, sf_val, enc = block_scales(tl.maximum(pairs_max(a_lo, a_hi), pairs_max(b_lo, b_hi)),
+                                                    s_enc, s_dec)
+                pk_a, va_lo, va_hi = encode_pairs(a_lo, a_hi, enc)
+                pk_b, vb_lo, vb_hi = encode_pairs(b_lo, b_hi, enc)
+                woffs = out_row[:, None, None] * (K // 2) + k0 + half
                 if FAKE:
-                    sf = sf_val[:, :, None]
-                    store_pairs(dqw_ptr + woffs, v_lo * sf * s_out, v_hi * sf * s_out, mask, IN_KIND)
+                    store_pairs(dqw_ptr + woffs, va_lo * sf_val[:, :, None] * s_out,
+                                va_hi * sf_val[:, :, None] * s_out, mask, IN_KIND, ASM)
+                    store_pairs(dqw_ptr + woffs + 4, vb_lo * sf_val[:, :, None] * s_out,
+                                vb_hi * sf_val[:, :, None] * s_out, mask, IN_KIND, ASM)
                 if PACK:
-                    tl.store(q_ptr + woffs, packed, mask=mask)
-                    blocks = k0 // 8 + tl.arange(0, NB)[None, :]
-                    tl.store(s_ptr + out_row[:, None] * (K // 16) + blocks, sf_bits,
-                             mask=rmask[:, None] & (blocks < K // 16))
+                    tl.store(q_ptr + woffs, pk_a, mask=mask)
+                    tl.store(q_ptr + woffs + 4, pk_b, mask=mask)
+                    # the scale byte from the thread that owns the block (the tile's layout, no shuffle)
+                    first = (half % 8) == 0
+                    tl.store(s_ptr + out_row[:, None, None] * (K // 16) + (k0 + half) // 8,
+                             tl.broadcast_to(sf_bits[:, :, None], mask.shape), mask=mask & first)
 
 
 if triton is not None:
@@ -470,27 +509,53 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     return out.view(torch.bfloat16) if bf16 else out
 
 
-GROUPED_TILE = {"block_r": 4, "block_k": 256, "num_warps": 4}
-GROUPED_AMAX_TILE = {"block_r": 8, "block_k": 512, "num_warps": 4}
-"""Launch shapes of the grouped kernel's quantize and amax launches: rows per program, K per inner
-step, warps (chosen by the tile sweep in docs/benchmarks.md)."""
+def grouped_tile(k: int, mode: int) -> dict:
+    """The grouped kernel's launch shape for rows of K elements: BLOCK_K the largest power of two that
+    divides K (at most 512, so no inner step is partly masked), and BLOCK_R rows so that a program's step
+    holds one 16-element block per thread of its 4 warps (the quantize passes; 2 for the amax pass).
+    Measured on the H100 against the other shapes in docs/benchmarks.md section 2."""
+    block_k = min(512, k & -k)
+    blocks = 128 * (2 if mode == AMAX_ONLY else 1)
+    return {"block_r": max(1, blocks * 16 // block_k), "block_k": block_k, "num_warps": 4}
+
 
 AMAX_GIVEN, AMAX_ONLY = 0, 2
 
 
 def pointer_table(mats) -> tuple:
-    """(int64 device tensor of base byte addresses, M, R, K, dtype, device) of M matrices [R, K]:
-    a list of contiguous 2-D tensors of one shape and dtype, or a contiguous 3-D tensor."""
+    """(int64 device tensor of base byte addresses, M, R, K, dtype, device, alignment) of M matrices
+    [R, K]: a list of contiguous 2-D tensors of one shape and dtype, or a contiguous 3-D tensor.
+    alignment: the largest power of two up to 16 that divides every row's starting address (the kernel
+    loads element pairs as one word, and 16 bytes at a time where rows allow it)."""
     if isinstance(mats, torch.Tensor):
         m, r, k = mats.shape
-        step = r * k * mats.element_size()
-        table = mats.data_ptr() + step * torch.arange(m, device=mats.device, dtype=torch.int64)
-        return table, m, r, k, mats.dtype, mats.device
+        row = k * mats.element_size()
+        table = mats.data_ptr() + r * row * torch.arange(m, device=mats.device, dtype=torch.int64)
+        return table, m, r, k, mats.dtype, mats.device, _alignment((mats.data_ptr(), row))
     first = mats[0]
-    table = torch.tensor([t.data_ptr() for t in mats], dtype=torch.int64)
+    ptrs = tuple(t.data_ptr() for t in mats)
+    align = _alignment(ptrs + (first.shape[1] * first.element_size(),))
     if first.is_cuda:
-        table = table.pin_memory().to(first.device, non_blocking=True)
-    return table, len(mats), first.shape[0], first.shape[1], first.dtype, first.device
+        table = _device_table(ptrs, first.device, torch.cuda.current_stream(first.device).stream_id)
+    else:
+        table = torch.tensor(ptrs, dtype=torch.int64)
+    return table, len(mats), first.shape[0], first.shape[1], first.dtype, first.device, align
+
+
+def _alignment(values) -> int:
+    """The largest power of two up to 16 dividing every value."""
+    bits = 16
+    for v in values:
+        bits |= v
+    return bits & -bits
+
+
+@functools.lru_cache(maxsize=512)
+def _device_table(ptrs: tuple, device: torch.device, stream_id: int) -> torch.Tensor:
+    """The device copy of a table of addresses, kept: a trainer's expert weights keep their addresses
+    from step to step, so each refit reuses its tables (no host-to-device copy, no pinned buffer). The
+    key is the addresses themselves (a hit is the same table) and the stream that first used it."""
+    return torch.tensor(ptrs, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=None, out=None,
@@ -503,14 +568,19 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
     e4m3 [M, R, K/16], S_dec [G]); `out` gives those buffers. fake and pack: both from one read,
     returns (fake-quantized, data, scale, S_dec); `out` the packed buffers, `out_fake` the other."""
     _require_triton()
-    table, m, r, k, dtype, device = mats if isinstance(mats, tuple) else pointer_table(mats)
+    table, m, r, k, dtype, device, align = mats if isinstance(mats, tuple) else pointer_table(mats)
+    word = 8 if dtype == torch.float32 else 4
+    if align < word:
+        raise InputError(f"grouped NVFP4: a matrix row starts on a {align}-byte boundary, not a {word}-byte one (a "
+                         f"view at an odd element offset); the kernel reads {dtype} pairs as {word}-byte words: "
+                         f"pass a copy (.clone())")
     if m % group:
         raise ValueError(f"grouped NVFP4: {m} matrices do not split into scale groups of {group}")
     g = m // group
     kind = _WORDS[dtype][1]
     pack = (not fake) if pack is None else pack
     both = fake and pack
-    t = dict(GROUPED_AMAX_TILE if mode == AMAX_ONLY else GROUPED_TILE, **(tile or {}))
+    t = dict(grouped_tile(k, mode), **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
     if mode == AMAX_ONLY:
         ws = torch.zeros(2 * g, dtype=torch.int32, device=device)
@@ -541,7 +611,8 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
             q, s, dq = data, scale.view(torch.uint8), data
     grid = (triton.cdiv(group * r, t["block_r"]) * g,)
     _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, r, k, GROUP=group, MODE=mode, FAKE=fake,
-                          PACK=pack, IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, num_warps=t["num_warps"])
+                          PACK=pack, IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, ALIGNED=align == 16,
+                          ASM=not interpreting(), num_warps=t["num_warps"])
     if mode == AMAX_ONLY:
         return amax_ws, bad_ws
     if both:

@@ -128,3 +128,46 @@ def test_refit_grouped_writes_both_results_from_one_read(device, backend, dtype,
     assert fake2.data_ptr() == out_fake.data_ptr() and q2.data.data_ptr() == out[0].data_ptr()
     assert torch.equal(_bits(out_fake), _bits(ref_fake)) and torch.equal(out[0], ref_data)
     assert torch.equal(out[1].view(torch.uint8), ref_scale) and torch.equal(out[2].repeat_interleave(group), ref_sdec)
+
+
+@pytest.mark.parametrize("k", [16, 48, 768, 1536, 2048, 5120, 8192])
+def test_grouped_tile_has_no_partly_masked_step_and_a_block_per_thread(k):
+    """The launch shape's invariants (the kernel is exact with any shape; these are what make it fast):
+    K splits into whole inner steps, and a step holds at least one 16-element block per thread."""
+    for mode in (triton_kernels.AMAX_GIVEN, triton_kernels.AMAX_ONLY):
+        t = triton_kernels.grouped_tile(k, mode)
+        assert k % t["block_k"] == 0 and t["block_k"] <= 512
+        assert t["block_r"] * t["block_k"] // 16 >= 32 * t["num_warps"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.skipif(not triton_kernels.available(), reason="triton not installed")
+def test_rows_off_16_byte_boundaries_are_loaded_as_such(device):
+    """Matrices that start 4 bytes past a 16-byte boundary: the kernel may not assume 128-bit-aligned rows,
+    and its results still equal the per-group reference. 2 bytes past (an odd bf16 offset) is refused by name."""
+    x = _mats(4, 20, 64, torch.bfloat16, device, seed=13)
+    flat = torch.empty(x.numel() + 2, dtype=x.dtype, device=device)
+    shifted = flat[2:].view(x.shape)
+    shifted.copy_(x)
+    mats = [shifted, list(shifted)]
+    assert [triton_kernels.pointer_table(m)[-1] for m in mats] == [4, 4]
+    ref_data, ref_scale, ref_sdec, ref_fake = _per_group_reference(x, 1)
+    for m in mats:
+        fake, q = nvfp4.refit_grouped(m, backend="triton")
+        assert torch.equal(_bits(fake), _bits(ref_fake)) and torch.equal(q.data, ref_data)
+        assert torch.equal(q.scale.view(torch.uint8), ref_scale) and torch.equal(q.global_scale.view(-1), ref_sdec)
+    odd = flat[1:-1].view(x.shape)
+    with pytest.raises(InputError, match="2-byte boundary, not a 4-byte one"):
+        nvfp4.quantize_grouped(odd, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pointer_table_is_kept_per_address_set():
+    """A refit's tables are reused while the weights keep their addresses, and follow them when they move."""
+    mats = [torch.zeros(16, 32, device="cuda") for _ in range(3)]
+    first = triton_kernels.pointer_table(mats)[0]
+    assert triton_kernels.pointer_table(mats)[0] is first
+    assert first.tolist() == [t.data_ptr() for t in mats]
+    moved = [mats[0], torch.zeros(16, 32, device="cuda"), mats[2]]
+    assert triton_kernels.pointer_table(moved)[0].tolist() == [t.data_ptr() for t in moved]
