@@ -17,6 +17,8 @@ SequentialMLP holds them; layers built one at a time so the whole model need not
   conversion table:   the v3 kernel-layout conversion of one layer's codes alone (in place, both ways; the
                       one-pass Triton kernel on CUDA) next to its torch definition and a device copy of
                       the same bytes.
+A whole step of the layer-stream rows is one stream of all layers (as the engine's sync runs it: one host
+sync, at the end), the other rows a loop over the layers.
 Floors are bytes moved at the device-copy bandwidth measured in the same run: (a) reads and writes
 BF16; (b)/(c) read BF16 and write 0.5625 B/parameter. A wire-size column compares sending BF16 to
 an SGLang server (it quantizes) against sending NVFP4. CUDA-event timings, median of --iters.
@@ -74,6 +76,11 @@ def _conversion_table(engine, run, floor, iters, out):
 
     from quads_megatron.plan.kernel_layout import kernel_layout_fits
 
+    from quads_megatron.kernels.gemm import interpreting
+
+    if engine.w13.device.type != "cuda" and not interpreting():
+        print("\n(kernel-layout conversion table: CUDA or TRITON_INTERPRET=1 only)")
+        return
     codes = [getattr(engine, n).clone() for n in ("w13", "w2")]
     codes = [c for c in codes if kernel_layout_fits(c.shape[-2], 2 * c.shape[-1])]
     if not codes:
@@ -199,17 +206,27 @@ def main():
             for n, t, q in zip(names, tensors, qs):
                 load_quantized(modules[0], n, t, q)
 
-    def build_layer(i, into_engine=False, views=False, amax=False, refit=False):
-        w1, w2 = sets[i % 2]
-        item = ExpertsLayer(i, w1, w2)
-        if amax or refit:
-            item.amax = tuple(c.amax() for c in caches[i])
-        if refit:
-            item.fake_quant = tuple(c.adopt for c in caches[i])
-        for q in quantize_scale_groups([item], plan, destination=dest(i) if into_engine else None):
+    def layer_items(layers, amax=False, refit=False):
+        for i in layers:
+            w1, w2 = sets[i % 2]
+            item = ExpertsLayer(i, w1, w2)
+            if amax or refit:
+                item.amax = tuple(c.amax() for c in caches[i])
+            if refit:
+                item.fake_quant = tuple(c.adopt for c in caches[i])
+            yield item
+
+    def build_layers(layers, into_engine=False, views=False, amax=False, refit=False):
+        """The layer stream of `layers` through one ``quantize_scale_groups`` call, as a sync runs it (the
+        NaN/Inf check of the scales is its one host sync, at the end)."""
+        into = (lambda lay, role, ex: engines[lay].grouped_buffers(role, ex)) if into_engine else None
+        for q in quantize_scale_groups(layer_items(layers, amax, refit), plan, destination=into):
             if views:
                 for _ in rollout_items(q):
                     pass
+
+    def build_layer(i, into_engine=False, **kw):
+        build_layers([i], into_engine, **kw)
 
     def step_old(i):           # a step's refit before: refresh (2 passes) + build + load (per-expert stream)
         refresh_old(i)
@@ -218,6 +235,26 @@ def main():
     def step_new(i):           # a step's refit now: one amax pass, then refresh + build + load from one read
         amax_pass(i)
         build_layer(i, into_engine=True, refit=True)
+
+    def step_new_all():        # the same for all layers: amax passes, then one layer stream
+        for i in range(L):
+            amax_pass(i)
+        build_layers(range(L), into_engine=True, refit=True)
+
+    def settle_all():
+        for e in engines:
+            e.settle_load()
+
+    # a whole step of the layer-stream rows is one stream of all layers (one sync), as the engine's sync runs
+    streams = {
+        "build_load_layer": lambda: build_layers(range(L), into_engine=True),
+        "build_load_layer_amax": lambda: build_layers(range(L), into_engine=True, amax=True),
+        "refit": lambda: build_layers(range(L), into_engine=True, refit=True),
+        "refit_kernel_layout": lambda: (build_layers(range(L), into_engine=True, refit=True), settle_all()),
+        "step_new": step_new_all,
+        "build_layer": lambda: build_layers(range(L)),
+        "build_layer_views": lambda: build_layers(range(L), views=True),
+    }
 
     # correctness of the new paths on layer 0: the engine's bytes and the AQAT cache equal the old paths'
     ref = NVFP4Experts(E, H, F, Precision.W4A4, device)
@@ -275,7 +312,7 @@ def main():
                 json.dump(out, f, indent=1)
     for key, what, fn, moved, floor_b in rows:
         one = run(lambda: fn(0), a.iters, 2)
-        step = run(lambda: [fn(i) for i in range(L)], reps, 1)
+        step = run(streams.get(key, lambda: [fn(i) for i in range(L)]), reps, 1)
         fl = floor(params * floor_b)
         print(f"| {what} | {moved:.4g} | {floor_b:.4g} | {one:.3f} | {one / fl:.2f} | {step:.1f} | "
               f"{step / (fl * L):.2f} |")
