@@ -5,6 +5,8 @@ The `@triton.jit` helpers (`e2m1_encode`, `e2m1_decode`, `e4m3_encode`, `e4m3_de
 them. They use integer bit operations instead of fp8/bf16 casts so that the result is
 the same on the GPU and in the CPU interpreter (TRITON_INTERPRET=1), whose fp8 and bf16
 casts are wrong; the divisions use `tl.math.div_rn` (IEEE round-to-nearest), as torch does.
+One exception, `bf16x2`: on NVIDIA GPUs the grouped kernel's bf16 pairs come from the hardware's
+round-to-nearest-even convert (the same bits), in one instruction instead of ten.
 """
 
 from __future__ import annotations
@@ -509,6 +511,11 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     return out.view(torch.bfloat16) if bf16 else out
 
 
+def _ptx(device: torch.device) -> bool:
+    """True where our inline PTX runs: an NVIDIA GPU (not ROCm, not the CPU interpreter)."""
+    return device.type == "cuda" and torch.version.hip is None and not interpreting()
+
+
 def grouped_tile(k: int, mode: int) -> dict:
     """The grouped kernel's launch shape for rows of K elements: BLOCK_K the largest power of two that
     divides K (at most 512, so no inner step is partly masked), and BLOCK_R rows so that a program's step
@@ -612,7 +619,7 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
     grid = (triton.cdiv(group * r, t["block_r"]) * g,)
     _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, r, k, GROUP=group, MODE=mode, FAKE=fake,
                           PACK=pack, IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, ALIGNED=align == 16,
-                          ASM=not interpreting(), num_warps=t["num_warps"])
+                          ASM=_ptx(device), num_warps=t["num_warps"])
     if mode == AMAX_ONLY:
         return amax_ws, bad_ws
     if both:
