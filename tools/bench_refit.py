@@ -74,9 +74,8 @@ def _conversion_table(engine, run, floor, iters, out):
     def from_fragment_order(c, out):
         return convert_fragment_order(c, out, True)
 
-    from quads_megatron.plan.kernel_layout import kernel_layout_fits
-
     from quads_megatron.kernels.gemm import interpreting
+    from quads_megatron.plan.kernel_layout import kernel_layout_fits
 
     if engine.w13.device.type != "cuda" and not interpreting():
         print("\n(kernel-layout conversion table: CUDA or TRITON_INTERPRET=1 only)")
