@@ -327,8 +327,8 @@ if triton is not None:
         if ALIGNED:
             rows_ptr = tl.multiple_of(rows_ptr, 16)
         out_row = (g * GR + gr).to(tl.int64)
-        cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
         if MODE == 2:
+            cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
             m = tl.zeros((BLOCK_R, NB, 8), tl.float32)
             nonfinite = tl.zeros((BLOCK_R, NB, 8), tl.int32)
             for k0 in range(0, K // 2, BLOCK_K // 2):
@@ -362,10 +362,9 @@ if triton is not None:
                 pk_b, vb_lo, vb_hi = encode_pairs(b_lo, b_hi, enc)
                 woffs = out_row[:, None, None] * (K // 2) + k0 + half
                 if FAKE:
-                    store_pairs(dqw_ptr + woffs, va_lo * sf_val[:, :, None] * s_out,
-                                va_hi * sf_val[:, :, None] * s_out, mask, IN_KIND, ASM)
-                    store_pairs(dqw_ptr + woffs + 4, vb_lo * sf_val[:, :, None] * s_out,
-                                vb_hi * sf_val[:, :, None] * s_out, mask, IN_KIND, ASM)
+                    sf = sf_val[:, :, None]
+                    store_pairs(dqw_ptr + woffs, va_lo * sf * s_out, va_hi * sf * s_out, mask, IN_KIND, ASM)
+                    store_pairs(dqw_ptr + woffs + 4, vb_lo * sf * s_out, vb_hi * sf * s_out, mask, IN_KIND, ASM)
                 if PACK:
                     tl.store(q_ptr + woffs, pk_a, mask=mask)
                     tl.store(q_ptr + woffs + 4, pk_b, mask=mask)
