@@ -48,6 +48,9 @@ def main():
     ref = core.quantize_reference(xs[0], s_enc[0], s_dec[0])
     assert torch.equal(packed[0][0], ref[0]) and torch.equal(
         packed[0][1].view(torch.uint8), ref[1].view(torch.uint8)), "kernel != torch reference"
+    fake_ref = core.dequantize_reference(*ref, s_dec[0], dtype=torch.bfloat16)
+    assert torch.equal(triton_kernels.fake_quantize(xs[0], s_enc[0], s_dec[0]).view(torch.int16),
+                       fake_ref.view(torch.int16)), "fake_quantize kernel != torch reference"
 
     rows = []
 
@@ -66,12 +69,18 @@ def main():
         lambda: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]]), 2.5625 * n)
     row("fake_quantize kernel (bf16 -> bf16)",
         lambda: triton_kernels.fake_quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]]), 4 * n)
-    for br, bk, w in [(1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4),
-                      (4, 1024, 8), (8, 256, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8)]:
+    # a thread owns whole 16-element blocks: rows x K/16 = 32 x warps blocks is one per thread, twice that two
+    for br, bk, w in [(1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4), (4, 1024, 4),
+                      (8, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8)]:
         t = {"block_r": br, "block_k": bk, "num_warps": w}
+        got = triton_kernels.quantize(xs[0], s_enc[0], s_dec[0], tile=t)
+        assert torch.equal(got[0], packed[0][0]) and torch.equal(got[1], packed[0][1]), f"quantize tile {t}"
         row(f"  quantize kernel tile {br}x{bk} w{w}",
             lambda t=t: triton_kernels.quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]],
                                                 tile=t), 2.5625 * n)
+        row(f"  fake_quantize kernel tile {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.fake_quantize(xs[nxt()], s_enc[it["i"]], s_dec[it["i"]],
+                                                     tile=t), 4 * n)
         row(f"  dequantize kernel tile {br}x{bk} w{w}",
             lambda t=t: triton_kernels.dequantize(*packed[nxt()], s_dec[it["i"]], tile=t),
             2.5625 * n)

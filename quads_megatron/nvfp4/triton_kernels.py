@@ -229,38 +229,44 @@ if triton is not None:
     @triton.jit
     def _quantize_kernel(xw_ptr, q_ptr, s_ptr, dqw_ptr, senc_ptr, sdec_ptr, R, K,
                          PER_ROW: tl.constexpr, FAKE: tl.constexpr, IN_KIND: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
         """One [BLOCK_R, BLOCK_K] tile of an [R, K] tensor with given global scales (scalar or per row);
-        x (and the fake-quantized output) are addressed as words of two elements."""
+        x (and the fake-quantized output) are addressed as words of two elements. As in the grouped
+        kernel, a thread owns whole 16-element blocks (the two halves loaded as two tiles of one layout),
+        so the block max, its scale and the scale byte's store stay in-thread."""
         NB: tl.constexpr = BLOCK_K // 16
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        blocks = pid_k * NB + tl.arange(0, NB)
         rmask = rows < R
-        bmask = rmask[:, None] & (blocks < K // 16)[None, :]                     # [R, NB]
-        woffs = (rows.to(tl.int64)[:, None, None] * (K // 2) + blocks[None, :, None] * 8
-                 + tl.arange(0, 8)[None, None, :])
-        mask = bmask[:, :, None]
-        lo, hi = load_pairs(xw_ptr + woffs, mask, IN_KIND)
+        half = pid_k * (BLOCK_K // 2) + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+        mask = rmask[:, None, None] & (half < K // 2)
+        woffs = rows.to(tl.int64)[:, None, None] * (K // 2) + half
+        a_lo, a_hi = load_pairs(xw_ptr + woffs, mask, IN_KIND)
+        b_lo, b_hi = load_pairs(xw_ptr + woffs + 4, mask, IN_KIND)
         if PER_ROW:
             s_enc = tl.load(senc_ptr + rows, mask=rmask, other=1.0)[:, None]
             s_dec = tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None]
         else:
             s_enc = tl.load(senc_ptr)
             s_dec = tl.load(sdec_ptr)
-        packed, sf_bits, sf_val, v_lo, v_hi = quantize_pairs(lo, hi, s_enc, s_dec)
+        sf_bits, sf_val, enc = block_scales(tl.maximum(pairs_max(a_lo, a_hi), pairs_max(b_lo, b_hi)), s_enc, s_dec)
+        pk_a, va_lo, va_hi = encode_pairs(a_lo, a_hi, enc)
+        pk_b, vb_lo, vb_hi = encode_pairs(b_lo, b_hi, enc)
         if FAKE:
+            sf = sf_val[:, :, None]
             if PER_ROW:
                 d = s_dec[:, :, None]
             else:
                 d = s_dec
-            sf = sf_val[:, :, None]
-            store_pairs(dqw_ptr + woffs, v_lo * sf * d, v_hi * sf * d, mask, IN_KIND)
+            store_pairs(dqw_ptr + woffs, va_lo * sf * d, va_hi * sf * d, mask, IN_KIND, ASM)
+            store_pairs(dqw_ptr + woffs + 4, vb_lo * sf * d, vb_hi * sf * d, mask, IN_KIND, ASM)
         else:
-            tl.store(q_ptr + woffs, packed, mask=mask)
-            tl.store(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blocks[None, :], sf_bits,
-                     mask=bmask)
+            tl.store(q_ptr + woffs, pk_a, mask=mask)
+            tl.store(q_ptr + woffs + 4, pk_b, mask=mask)
+            first = (half % 8) == 0
+            tl.store(s_ptr + rows.to(tl.int64)[:, None, None] * (K // 16) + half // 8,
+                     tl.broadcast_to(sf_bits[:, :, None], mask.shape), mask=mask & first)
 
     @triton.jit
     def _dequantize_kernel(q_ptr, s_ptr, sdec_ptr, out_ptr, R, K,
@@ -487,7 +493,8 @@ def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
     block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](xw, ow, ow, ow, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
-                           IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+                           IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, ASM=_ptx(x.device),
+                           num_warps=warps)
     return out
 
 
