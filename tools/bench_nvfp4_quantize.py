@@ -22,11 +22,60 @@ def bench(fn, iters=100):
     return time_ms(fn, device="cuda", iters=iters, warmup=50, mode="events")
 
 
+def grouped_rows(row):
+    """The grouped kernels on one Qwen3-30B-A3B layer's fc1: 128 separate [1536, 2048] bf16 expert weights
+    (amax inside the launch); bytes: read + write bf16 (fake) or read bf16 + write codes (quantize)."""
+    experts = [torch.randn(1536, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(128)]
+    ge = 128 * 1536 * 2048
+    ref = nvfp4.fake_quantize(experts[5], check_finite=False)
+    got = nvfp4.fake_quantize_grouped(experts)
+    assert torch.equal(got[5].view(torch.int16), ref.view(torch.int16)), "grouped kernel != fake_quantize"
+    amax, bad = nvfp4.amax_grouped(experts)
+    # a thread owns whole 16-element blocks: tiles with rows x K/16 >= 32 x warps blocks keep every thread busy
+    tiles = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (2, 1024, 4),
+             (4, 1024, 4), (4, 256, 4)]
+    for br, bk, w in tiles:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        row(f"grouped fake-quant fc1, amax given, {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, amax=amax,
+                                               bad=bad, tile=t), 4 * ge)
+    row("grouped fake-quant fc1 (amax + quantize launches)", lambda: nvfp4.fake_quantize_grouped(experts), 4 * ge)
+    row("grouped quantize fc1 (default tile)", lambda: nvfp4.quantize_grouped(experts), 2.5625 * ge)
+    want = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad)
+    # (32-bit code stores, four bytes packed in registers, measured 1.7x slower: removed)
+    for br, bk, w in tiles:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        got = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad, tile=t)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+        row(f"grouped quantize fc1, amax given, {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad,
+                                               tile=t), 2.5625 * ge)
+    # the refit: fake-quantized bf16 and packed codes + scales from one read (4.5625 B/element)
+    fake_want = nvfp4.fake_quantize_grouped(experts, amax=amax, nonfinite=bad)
+    for br, bk, w in tiles:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        got = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, pack=True, amax=amax,
+                                     bad=bad, tile=t)
+        assert torch.equal(got[0].view(torch.int16), fake_want.view(torch.int16)) and torch.equal(
+            got[1], want[0]) and torch.equal(got[2].view(torch.uint8), want[1].view(torch.uint8)), f"refit {t}"
+        row(f"grouped refit fc1 (fake + pack), amax given, {br}x{bk} w{w}",
+            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, pack=True,
+                                               amax=amax, bad=bad, tile=t), 4.5625 * ge)
+    for br, bk, w in [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (4, 1024, 4), (16, 1024, 8)]:
+        t = {"block_r": br, "block_k": bk, "num_warps": w}
+        row(f"grouped amax fc1 {br}x{bk} w{w}", lambda t=t: triton_kernels.grouped(
+            experts, 1, mode=triton_kernels.AMAX_ONLY, tile=t), 2 * ge)
+    row("grouped amax only fc1", lambda: nvfp4.amax_grouped(experts), 2 * ge)
+    stacked = torch.stack(experts)
+    row("grouped fake-quant fc1, one [E, N, K] tensor", lambda: nvfp4.fake_quantize_grouped(stacked), 4 * ge)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--cols", type=int, default=8192)
     ap.add_argument("--buffers", type=int, default=4)
+    ap.add_argument("--no-grouped", action="store_true", help="the element kernels only (no grouped fc1 rows)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     n = args.rows * args.cols
@@ -86,53 +135,10 @@ def main():
             2.5625 * n)
     row("amax kernel per-tensor", lambda: triton_kernels.amax(xs[nxt()]), 2 * n)
     row("amax kernel per-row", lambda: triton_kernels.amax(xs[nxt()], True), 2 * n)
-    # grouped kernels on one Qwen3-30B-A3B layer's fc1: 128 separate [1536, 2048] bf16 expert weights
-    # (amax inside the launch); bytes: read + write bf16 (fake) or read bf16 + write codes (quantize)
-    for buffers in (xs, outs, packed):
-        buffers.clear()  # free the 8192^2 buffers
-    experts = [torch.randn(1536, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(128)]
-    ge = 128 * 1536 * 2048
-    ref = nvfp4.fake_quantize(experts[5], check_finite=False)
-    got = nvfp4.fake_quantize_grouped(experts)
-    assert torch.equal(got[5].view(torch.int16), ref.view(torch.int16)), "grouped kernel != fake_quantize"
-    amax, bad = nvfp4.amax_grouped(experts)
-    # a thread owns whole 16-element blocks: tiles with rows x K/16 >= 32 x warps blocks keep every thread busy
-    tiles = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8), (2, 1024, 4),
-             (4, 1024, 4), (4, 256, 4)]
-    for br, bk, w in tiles:
-        t = {"block_r": br, "block_k": bk, "num_warps": w}
-        row(f"grouped fake-quant fc1, amax given, {br}x{bk} w{w}",
-            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, amax=amax,
-                                               bad=bad, tile=t), 4 * ge)
-    row("grouped fake-quant fc1 (amax + quantize launches)", lambda: nvfp4.fake_quantize_grouped(experts), 4 * ge)
-    row("grouped quantize fc1 (default tile)", lambda: nvfp4.quantize_grouped(experts), 2.5625 * ge)
-    want = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad)
-    # (32-bit code stores, four bytes packed in registers, measured 1.7x slower: removed)
-    for br, bk, w in tiles:
-        t = {"block_r": br, "block_k": bk, "num_warps": w}
-        got = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad, tile=t)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
-        row(f"grouped quantize fc1, amax given, {br}x{bk} w{w}",
-            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, amax=amax, bad=bad,
-                                               tile=t), 2.5625 * ge)
-    # the refit: fake-quantized bf16 and packed codes + scales from one read (4.5625 B/element)
-    fake_want = nvfp4.fake_quantize_grouped(experts, amax=amax, nonfinite=bad)
-    for br, bk, w in tiles:
-        t = {"block_r": br, "block_k": bk, "num_warps": w}
-        got = triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, pack=True, amax=amax,
-                                     bad=bad, tile=t)
-        assert torch.equal(got[0].view(torch.int16), fake_want.view(torch.int16)) and torch.equal(
-            got[1], want[0]) and torch.equal(got[2].view(torch.uint8), want[1].view(torch.uint8)), f"refit {t}"
-        row(f"grouped refit fc1 (fake + pack), amax given, {br}x{bk} w{w}",
-            lambda t=t: triton_kernels.grouped(experts, 1, mode=triton_kernels.AMAX_GIVEN, fake=True, pack=True,
-                                               amax=amax, bad=bad, tile=t), 4.5625 * ge)
-    for br, bk, w in [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (4, 1024, 4), (16, 1024, 8)]:
-        t = {"block_r": br, "block_k": bk, "num_warps": w}
-        row(f"grouped amax fc1 {br}x{bk} w{w}", lambda t=t: triton_kernels.grouped(
-            experts, 1, mode=triton_kernels.AMAX_ONLY, tile=t), 2 * ge)
-    row("grouped amax only fc1", lambda: nvfp4.amax_grouped(experts), 2 * ge)
-    stacked = torch.stack(experts)
-    row("grouped fake-quant fc1, one [E, N, K] tensor", lambda: nvfp4.fake_quantize_grouped(stacked), 4 * ge)
+    if not args.no_grouped:
+        for buffers in (xs, outs, packed):
+            buffers.clear()  # free the 8192^2 buffers
+        grouped_rows(row)
     copy_bw = rows[0][2]
     print(f"\nNVFP4 kernels, {args.rows}x{args.cols} bf16, {torch.cuda.get_device_name()}")
     print(f"{'what':42s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
