@@ -176,8 +176,8 @@ def main():
     engines = [engine] + [NVFP4Experts(E, H, F, Precision.W4A4, device) for _ in range(1, L)]
     modules = [{f"model.layers.{i}.mlp.experts": m} for i, m in enumerate(engines)]
 
-    def dest(i):
-        return lambda lay, role, ex: engines[i].grouped_buffers(role, ex)
+    def into_engines(lay, role, ex):  # a stream's destination: layer lay's engine buffers, written in place
+        return engines[lay].grouped_buffers(role, ex)
 
     def refresh_old(i):        # amax pass + fake-quant pass per projection (what a step ran before)
         for c in caches[i]:
@@ -195,7 +195,7 @@ def main():
 
     def build_old(i, into_engine):
         w1, w2 = sets[i % 2]
-        for _ in quantize_scale_groups(_named(i, w1, w2, F), plan, destination=dest(i) if into_engine else None):
+        for _ in quantize_scale_groups(_named(i, w1, w2, F), plan, destination=into_engines if into_engine else None):
             pass
 
     def old_per_expert(i):     # before the grouped kernels: one quantize per scale group, a copy per tensor
@@ -218,42 +218,28 @@ def main():
     def build_layers(layers, into_engine=False, views=False, amax=False, refit=False):
         """The layer stream of `layers` through one ``quantize_scale_groups`` call, as a sync runs it (the
         NaN/Inf check of the scales is its one host sync, at the end)."""
-        into = (lambda lay, role, ex: engines[lay].grouped_buffers(role, ex)) if into_engine else None
-        for q in quantize_scale_groups(layer_items(layers, amax, refit), plan, destination=into):
+        for q in quantize_scale_groups(layer_items(layers, amax, refit), plan,
+                                       destination=into_engines if into_engine else None):
             if views:
                 for _ in rollout_items(q):
                     pass
 
-    def build_layer(i, into_engine=False, **kw):
-        build_layers([i], into_engine, **kw)
+    def each(per_layer):       # a row of per-layer work: a loop over the layers
+        return lambda layers: [per_layer(i) for i in layers]
 
     def step_old(i):           # a step's refit before: refresh (2 passes) + build + load (per-expert stream)
         refresh_old(i)
         build_old(i, True)
 
-    def step_new(i):           # a step's refit now: one amax pass, then refresh + build + load from one read
-        amax_pass(i)
-        build_layer(i, into_engine=True, refit=True)
-
-    def step_new_all():        # the same for all layers: amax passes, then one layer stream
-        for i in range(L):
+    def step_new(layers):      # a step's refit now: one amax pass per layer, then refresh + build + load from one read
+        for i in layers:
             amax_pass(i)
-        build_layers(range(L), into_engine=True, refit=True)
+        build_layers(layers, into_engine=True, refit=True)
 
-    def settle_all():
-        for e in engines:
-            e.settle_load()
-
-    # a whole step of the layer-stream rows is one stream of all layers (one sync), as the engine's sync runs
-    streams = {
-        "build_load_layer": lambda: build_layers(range(L), into_engine=True),
-        "build_load_layer_amax": lambda: build_layers(range(L), into_engine=True, amax=True),
-        "refit": lambda: build_layers(range(L), into_engine=True, refit=True),
-        "refit_kernel_layout": lambda: (build_layers(range(L), into_engine=True, refit=True), settle_all()),
-        "step_new": step_new_all,
-        "build_layer": lambda: build_layers(range(L)),
-        "build_layer_views": lambda: build_layers(range(L), views=True),
-    }
+    def refit_kernel_layout(layers):
+        build_layers(layers, into_engine=True, refit=True)
+        for i in layers:
+            engines[i].settle_load()
 
     # correctness of the new paths on layer 0: the engine's bytes and the AQAT cache equal the old paths'
     ref = NVFP4Experts(E, H, F, Precision.W4A4, device)
@@ -262,7 +248,7 @@ def main():
         pass
     ptr = engine.w13.data_ptr()
     ref_fake = [c.refresh().clone() for c in caches[0]]
-    step_new(0)
+    step_new([0])
     assert engine.w13.data_ptr() == ptr, "the layer stream rebound the engine's buffers"
     for n in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2"):
         assert torch.equal(getattr(engine, n).view(torch.uint8), getattr(ref, n).view(torch.uint8)), n
@@ -273,28 +259,31 @@ def main():
 
     B_IN, B_FQ, B_NV = 2.0, 2.0, 0.5625  # per parameter: read BF16, write BF16 fake-quant, write codes + scales
     B_CODES = 0.5  # the packed codes alone (the kernel-layout conversion reads and writes them once)
-    rows = [  # key, what, bytes moved per parameter by design, floor bytes per parameter (the result's own)
-        ("refresh", "(a) AQAT refresh, amax + fake-quant passes (old)", refresh_old, 2 * B_IN + B_FQ, B_IN + B_FQ),
-        ("amax", "(a1) amax pass (once per step, shared by (a2), (c3), (d))", amax_pass, B_IN, B_IN),
-        ("refresh_cached", "(a2) AQAT refresh with the step's amax", refresh_cached, B_IN + B_FQ, B_IN + B_FQ),
-        ("build_load", "(c) build + load in place, per-expert HF stream (old)", lambda i: build_old(i, True),
+    # key, what, work on a list of layers, bytes moved per parameter by design, floor bytes per parameter (the
+    # result's own). The layer-stream rows run their layers as one stream (one host sync), as the engine's sync does.
+    rows = [
+        ("refresh", "(a) AQAT refresh, amax + fake-quant passes (old)", each(refresh_old), 2 * B_IN + B_FQ,
+         B_IN + B_FQ),
+        ("amax", "(a1) amax pass (once per step, shared by (a2), (c3), (d))", each(amax_pass), B_IN, B_IN),
+        ("refresh_cached", "(a2) AQAT refresh with the step's amax", each(refresh_cached), B_IN + B_FQ, B_IN + B_FQ),
+        ("build_load", "(c) build + load in place, per-expert HF stream (old)", each(lambda i: build_old(i, True)),
          2 * B_IN + B_NV, B_IN + B_NV),
-        ("build_load_layer", "(c2) build + load in place, layer stream", lambda i: build_layer(i, True),
+        ("build_load_layer", "(c2) build + load in place, layer stream", lambda ls: build_layers(ls, True),
          2 * B_IN + B_NV, B_IN + B_NV),
         ("build_load_layer_amax", "(c3) build + load in place, layer stream, the step's amax",
-         lambda i: build_layer(i, True, amax=True), B_IN + B_NV, B_IN + B_NV),
+         lambda ls: build_layers(ls, True, amax=True), B_IN + B_NV, B_IN + B_NV),
         ("refit", "(d) refresh + build + load in place from one read, the step's amax",
-         lambda i: build_layer(i, True, refit=True), B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
+         lambda ls: build_layers(ls, True, refit=True), B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
         ("refit_kernel_layout", "(d2) (d) + the v3 kernel-layout conversion of the codes in place (settle_load)",
-         lambda i: (build_layer(i, True, refit=True), engines[i].settle_load()), B_IN + B_FQ + B_NV + 2 * B_CODES,
+         refit_kernel_layout, B_IN + B_FQ + B_NV + 2 * B_CODES, B_IN + B_FQ + B_NV),
+        ("step_old", "(e) a step's refit before: (a) + (c)", each(step_old), 4 * B_IN + B_FQ + B_NV,
          B_IN + B_FQ + B_NV),
-        ("step_old", "(e) a step's refit before: (a) + (c)", step_old, 4 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
         ("step_new", "(f) a step's refit now: (a1) + (d)", step_new, 2 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
-        ("build", "(b) build NVFP4, per-expert HF stream (old)", lambda i: build_old(i, False), 2 * B_IN + B_NV,
-         B_IN + B_NV),
-        ("build_layer", "(b2) build NVFP4, layer stream (ExpertsLayer)", build_layer, 2 * B_IN + B_NV, B_IN + B_NV),
+        ("build", "(b) build NVFP4, per-expert HF stream (old)", each(lambda i: build_old(i, False)),
+         2 * B_IN + B_NV, B_IN + B_NV),
+        ("build_layer", "(b2) build NVFP4, layer stream (ExpertsLayer)", build_layers, 2 * B_IN + B_NV, B_IN + B_NV),
         ("build_layer_views", "(b3) (b2) + per-expert ModelOpt views (SGLang wire names)",
-         lambda i: build_layer(i, views=True), 2 * B_IN + B_NV, B_IN + B_NV),
+         lambda ls: build_layers(ls, views=True), 2 * B_IN + B_NV, B_IN + B_NV),
     ]
     reps = max(1, a.iters // 2)
     old_ms = run(lambda: old_per_expert(0), reps, 1)
@@ -310,8 +299,8 @@ def main():
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)
     for key, what, fn, moved, floor_b in rows:
-        one = run(lambda: fn(0), a.iters, 2)
-        step = run(streams.get(key, lambda: [fn(i) for i in range(L)]), reps, 1)
+        one = run(lambda: fn([0]), a.iters, 2)
+        step = run(lambda: fn(range(L)), reps, 1)
         fl = floor(params * floor_b)
         print(f"| {what} | {moved:.4g} | {floor_b:.4g} | {one:.3f} | {one / fl:.2f} | {step:.1f} | "
               f"{step / (fl * L):.2f} |")
