@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quads_megatron.nvfp4.triton_kernels import bf16_round
+from quads_megatron.nvfp4.triton_kernels import bf16_round, inline_ptx
 
 from .combine import topk_sum
 from .fragment_layout import check_fragment_shape
@@ -553,7 +553,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
         EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab,
-        FRAG=fragment_layout, FRAG_ASM=fragment_layout and not interpreting(),
+        FRAG=fragment_layout, FRAG_ASM=fragment_layout and inline_ptx(a.device),
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quads_megatron.nvfp4.triton_kernels import inline_ptx
+
 _enabled = True
 
 
@@ -32,9 +34,7 @@ def pdl_prologue(USE_PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:
-    interpreted = type(pdl_prologue).__name__ == "InterpretedFunction"   # TRITON_INTERPRET=1 at import
-    nvidia = device.type == "cuda" and torch.version.hip is None          # griddepcontrol is PTX
-    return nvidia and not interpreted and torch.cuda.get_device_capability(device)[0] >= 9
+    return inline_ptx(device) and torch.cuda.get_device_capability(device)[0] >= 9   # griddepcontrol is PTX
 
 
 def pdl_options(device: torch.device) -> dict:

@@ -510,8 +510,9 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     return out.view(torch.bfloat16) if bf16 else out
 
 
-def _ptx(device: torch.device) -> bool:
-    """True where our inline PTX runs: an NVIDIA GPU (not ROCm, not the CPU interpreter)."""
+def inline_ptx(device: torch.device) -> bool:
+    """True where inline PTX runs: an NVIDIA GPU (not ROCm, not the CPU interpreter). The one test for
+    every kernel's PTX (the bf16 pair convert here, the GEMM's fragment decode, PDL's griddepcontrol)."""
     return device.type == "cuda" and torch.version.hip is None and not interpreting()
 
 
@@ -618,7 +619,7 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
     grid = (triton.cdiv(group * r, t["block_r"]) * g,)
     _grouped_kernel[grid](table, q, s, dq, sdec, amax_ws, bad_ws, r, k, GROUP=group, MODE=mode, FAKE=fake,
                           PACK=pack, IN_KIND=kind, BLOCK_R=t["block_r"], BLOCK_K=block_k, ALIGNED=align == 16,
-                          ASM=_ptx(device), num_warps=t["num_warps"])
+                          ASM=inline_ptx(device), num_warps=t["num_warps"])
     if mode == AMAX_ONLY:
         return amax_ws, bad_ws
     if both:

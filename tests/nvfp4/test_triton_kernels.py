@@ -164,3 +164,16 @@ def test_every_e2m1_rounding_case_on_a_dense_sweep(device):
     ref_data, ref_scale = core.quantize_reference(x, one, one)
     assert torch.equal(data, ref_data)
     assert torch.equal(scale.view(torch.uint8), ref_scale.view(torch.uint8))
+
+
+def test_inline_ptx_only_on_nvidia_gpus(monkeypatch):
+    """The one gate of every kernel's inline PTX: never on CPU, never for the interpreter, never on ROCm."""
+    assert triton_kernels.inline_ptx(torch.device("cpu")) is False
+    cuda = torch.device("cuda")
+    if triton_kernels.interpreting():
+        assert triton_kernels.inline_ptx(cuda) is False
+    monkeypatch.setattr(triton_kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert triton_kernels.inline_ptx(cuda) is False
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert triton_kernels.inline_ptx(cuda) is True
