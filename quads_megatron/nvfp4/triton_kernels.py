@@ -5,7 +5,7 @@ The `@triton.jit` helpers (`e2m1_encode`, `e2m1_decode`, `e4m3_encode`, `e4m3_de
 them. They use integer bit operations instead of fp8/bf16 casts so that the result is
 the same on the GPU and in the CPU interpreter (TRITON_INTERPRET=1), whose fp8 and bf16
 casts are wrong; the divisions use `tl.math.div_rn` (IEEE round-to-nearest), as torch does.
-One exception, `bf16x2`: on NVIDIA GPUs the grouped kernel's bf16 pairs come from the hardware's
+One exception, `bf16x2`: on NVIDIA GPUs the quantize kernels' bf16 pairs come from the hardware's
 round-to-nearest-even convert (the same bits), in one instruction instead of ten.
 """
 
@@ -216,51 +216,65 @@ if triton is not None:
         return packed, signed_lo, signed_hi
 
     @triton.jit
-    def quantize_pairs(lo, hi, s_enc, s_dec):
-        """NVFP4 of a [rows, blocks, 8] tile of element pairs (TE's operation order).
+    def quantize_halves(src, mask, s_enc, s_dec, IN_KIND: tl.constexpr):
+        """NVFP4 of 16-element blocks whose two 8-element halves are the words at `src` and `src + 4`
+        ([rows, blocks, 4] word pointers: a thread owns whole blocks, so the block max, its scale and the
+        scale byte's store need no data from another thread). TE's operation order. Returns (scale bits,
+        decoded scale [rows, blocks]; packed codes and signed E2M1 values of the first half, then of the
+        second); unused results cost nothing (the compiler drops them)."""
+        a_lo, a_hi = load_pairs(src, mask, IN_KIND)
+        b_lo, b_hi = load_pairs(src + 4, mask, IN_KIND)
+        sf_bits, sf_val, enc = block_scales(tl.maximum(pairs_max(a_lo, a_hi), pairs_max(b_lo, b_hi)), s_enc, s_dec)
+        pk_a, va_lo, va_hi = encode_pairs(a_lo, a_hi, enc)
+        pk_b, vb_lo, vb_hi = encode_pairs(b_lo, b_hi, enc)
+        return sf_bits, sf_val, pk_a, va_lo, va_hi, pk_b, vb_lo, vb_hi
 
-        Returns (packed codes uint8 [rows, blocks, 8], scale bits [rows, blocks], decoded scale
-        [rows, blocks], signed E2M1 values of the even and odd elements). s_enc / s_dec: scalars or
-        [rows, 1]. Unused results cost nothing (the compiler drops them)."""
-        sf_bits, sf_val, enc = block_scales(pairs_max(lo, hi), s_enc, s_dec)
-        packed, signed_lo, signed_hi = encode_pairs(lo, hi, enc)
-        return packed, sf_bits, sf_val, signed_lo, signed_hi
+    @triton.jit
+    def store_halves(dqw_ptr, q_ptr, s_ptr, row, k0, half, K, mask, q, s_dec,
+                     FAKE: tl.constexpr, PACK: tl.constexpr, IN_KIND: tl.constexpr, ASM: tl.constexpr):
+        """Store `quantize_halves`' results `q` for rows `row` [rows, 1, 1] at word columns `k0 + half` (the
+        first halves; k0 a multiple of 8): the fake-quantized values (FAKE, e2m1 * scale * s_dec in that
+        order) and/or the packed codes with the scale byte, stored by the thread owning the block (PACK)."""
+        sf_bits, sf_val, pk_a, va_lo, va_hi, pk_b, vb_lo, vb_hi = q
+        woffs = row * (K // 2) + k0 + half
+        if FAKE:
+            sf = sf_val[:, :, None]
+            store_pairs(dqw_ptr + woffs, va_lo * sf * s_dec, va_hi * sf * s_dec, mask, IN_KIND, ASM)
+            store_pairs(dqw_ptr + woffs + 4, vb_lo * sf * s_dec, vb_hi * sf * s_dec, mask, IN_KIND, ASM)
+        if PACK:
+            tl.store(q_ptr + woffs, pk_a, mask=mask)
+            tl.store(q_ptr + woffs + 4, pk_b, mask=mask)
+            first = (half % 8) == 0
+            tl.store(s_ptr + row * (K // 16) + (k0 + half) // 8, tl.broadcast_to(sf_bits[:, :, None], mask.shape),
+                     mask=mask & first)
 
     @triton.jit
     def _quantize_kernel(xw_ptr, q_ptr, s_ptr, dqw_ptr, senc_ptr, sdec_ptr, R, K,
                          PER_ROW: tl.constexpr, FAKE: tl.constexpr, IN_KIND: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
         """One [BLOCK_R, BLOCK_K] tile of an [R, K] tensor with given global scales (scalar or per row);
-        x (and the fake-quantized output) are addressed as words of two elements."""
+        x (and the fake-quantized output) are addressed as words of two elements. As in the grouped
+        kernel, a thread owns whole 16-element blocks (the two halves loaded as two tiles of one layout),
+        so the block max, its scale and the scale byte's store stay in-thread."""
         NB: tl.constexpr = BLOCK_K // 16
         pid_r = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        blocks = pid_k * NB + tl.arange(0, NB)
         rmask = rows < R
-        bmask = rmask[:, None] & (blocks < K // 16)[None, :]                     # [R, NB]
-        woffs = (rows.to(tl.int64)[:, None, None] * (K // 2) + blocks[None, :, None] * 8
-                 + tl.arange(0, 8)[None, None, :])
-        mask = bmask[:, :, None]
-        lo, hi = load_pairs(xw_ptr + woffs, mask, IN_KIND)
+        k0 = pid_k * (BLOCK_K // 2)
+        half = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+        mask = rmask[:, None, None] & (k0 + half < K // 2)
+        row = rows.to(tl.int64)[:, None, None]
         if PER_ROW:
             s_enc = tl.load(senc_ptr + rows, mask=rmask, other=1.0)[:, None]
             s_dec = tl.load(sdec_ptr + rows, mask=rmask, other=1.0)[:, None]
+            d = s_dec[:, :, None]
         else:
             s_enc = tl.load(senc_ptr)
             s_dec = tl.load(sdec_ptr)
-        packed, sf_bits, sf_val, v_lo, v_hi = quantize_pairs(lo, hi, s_enc, s_dec)
-        if FAKE:
-            if PER_ROW:
-                d = s_dec[:, :, None]
-            else:
-                d = s_dec
-            sf = sf_val[:, :, None]
-            store_pairs(dqw_ptr + woffs, v_lo * sf * d, v_hi * sf * d, mask, IN_KIND)
-        else:
-            tl.store(q_ptr + woffs, packed, mask=mask)
-            tl.store(s_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blocks[None, :], sf_bits,
-                     mask=bmask)
+            d = s_dec
+        q = quantize_halves(xw_ptr + row * (K // 2) + k0 + half, mask, s_enc, s_dec, IN_KIND)
+        store_halves(dqw_ptr, q_ptr, s_ptr, row, k0, half, K, mask, q, d, FAKE, not FAKE, IN_KIND, ASM)
 
     @triton.jit
     def _dequantize_kernel(q_ptr, s_ptr, sdec_ptr, out_ptr, R, K,
@@ -353,25 +367,9 @@ if triton is not None:
             half = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
             for k0 in range(0, K // 2, BLOCK_K // 2):
                 mask = rmask[:, None, None] & (k0 + half < K // 2)
-                src = rows_ptr[:, None, None] + k0 + half
-                a_lo, a_hi = load_pairs(src, mask, IN_KIND)
-                b_lo, b_hi = load_pairs(src + 4, mask, IN_KIND)
-                sf_bits, sf_val, enc = block_scales(tl.maximum(pairs_max(a_lo, a_hi), pairs_max(b_lo, b_hi)),
-                                                    s_enc, s_dec)
-                pk_a, va_lo, va_hi = encode_pairs(a_lo, a_hi, enc)
-                pk_b, vb_lo, vb_hi = encode_pairs(b_lo, b_hi, enc)
-                woffs = out_row[:, None, None] * (K // 2) + k0 + half
-                if FAKE:
-                    sf = sf_val[:, :, None]
-                    store_pairs(dqw_ptr + woffs, va_lo * sf * s_out, va_hi * sf * s_out, mask, IN_KIND, ASM)
-                    store_pairs(dqw_ptr + woffs + 4, vb_lo * sf * s_out, vb_hi * sf * s_out, mask, IN_KIND, ASM)
-                if PACK:
-                    tl.store(q_ptr + woffs, pk_a, mask=mask)
-                    tl.store(q_ptr + woffs + 4, pk_b, mask=mask)
-                    # the scale byte from the thread that owns the block (the tile's layout, no shuffle)
-                    first = (half % 8) == 0
-                    tl.store(s_ptr + out_row[:, None, None] * (K // 16) + (k0 + half) // 8,
-                             tl.broadcast_to(sf_bits[:, :, None], mask.shape), mask=mask & first)
+                q = quantize_halves(rows_ptr[:, None, None] + k0 + half, mask, s_enc, s_dec, IN_KIND)
+                store_halves(dqw_ptr, q_ptr, s_ptr, out_row[:, None, None], k0, half, K, mask, q, s_out,
+                             FAKE, PACK, IN_KIND, ASM)
 
 
 if triton is not None:
@@ -487,7 +485,8 @@ def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
     block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](xw, ow, ow, ow, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
-                           IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+                           IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, ASM=inline_ptx(x.device),
+                           num_warps=warps)
     return out
 
 
