@@ -420,12 +420,16 @@ def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) ->
 def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
     """Grouped tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps):
     swap-AB (the decoded weight as wgmma's register operand) at decode sizes, (64 | 128) x 128
-    tiles at prefill. `tools/bench_moe_layer.py --sweep` measures the alternatives; at <= 16 rows
-    the 128-row weight tile on 4 warps, 3 stages, capped at 96 registers (5 CTAs per SM instead of
-    3, no spills) was the fastest: 2-5% (W4A4) and 7-9% (RAC) under the uncapped tile on the H100
-    (docs/benchmarks.md section 5)."""
+    tiles at prefill, from `tools/bench_moe_layer.py --sweep` on the H100 (docs/benchmarks.md
+    section 5). <= 16 rows: the 128-row weight tile on 4 warps, 3 stages, capped at 96 registers
+    (5 CTAs per SM, no spills), 2-9% under the uncapped tile. 17-32 rows: the same tile with 32
+    token columns capped at 128 registers; a 64-token tile there pays for rows it does not have
+    (384 tokens of Qwen3-30B-A3B: 0.245 ms against 0.397 ms)."""
+    bn = 128 if n % 128 == 0 else 64
     if rows_per_expert <= 16:
-        return GemmConfig(16, 128 if n % 128 == 0 else 64, 128, 4, 3, 8, True, max_regs=96)
+        return GemmConfig(16, bn, 128, 4, 3, 8, True, max_regs=96)
+    if rows_per_expert <= 32:
+        return GemmConfig(32, bn, 128, 4, 3, 8, True, max_regs=128)
     if rows_per_expert <= 64:
         return GemmConfig(64, 128, 128, 8, 3)
     return GemmConfig(128, 128, 128, 8, 3)

@@ -260,6 +260,7 @@ def test_torch_backend_reads_fragment_weights_back():
 @gpu
 @pytest.mark.parametrize("mode,dtype,t", [("w4a4_rac", torch.float32, 16),
                                           ("w4a4_rac", torch.bfloat16, 16),
+                                          ("w4a4_rac", torch.float32, 384),
                                           ("w4a4_rac", torch.float32, 1024),
                                           ("w4a4_rac", torch.bfloat16, 4096),
                                           ("w4a4", torch.float32, 64),
@@ -275,7 +276,9 @@ def test_fragment_fused_moe_full_size_gpu(mode, dtype, t):
                                  (16, 128, 128, 8, 4, 8, True), (32, 64, 128, 4, 4, 8, True),
                                  (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False),
                                  (16, 64, 128, 4, 3, 8, True, 1, 96), (16, 128, 128, 4, 3, 8, True, 1, 96),
-                                 (16, 128, 128, 4, 3, 8, True, 4, 96)])
+                                 (16, 128, 128, 4, 3, 8, True, 4, 96), (32, 128, 128, 4, 3, 8, True, 1, 96),
+                                 (32, 128, 128, 4, 3, 8, True, 1, 128), (32, 64, 128, 4, 3, 8, True, 1, 128),
+                                 (32, 128, 128, 8, 3, 8, True)])
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.bfloat16)])
 def test_fragment_configs_gpu(cfg, mode, dtype):
     """Every tile of the bench's v3 sweep gives the reference's answer."""
@@ -286,7 +289,7 @@ def test_fragment_configs_gpu(cfg, mode, dtype):
 @gpu
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a4", torch.bfloat16),
                                         ("w4a16", torch.bfloat16)])
-@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("m", [1, 16, 24, 300])
 def test_fragment_linear_gpu(mode, dtype, m):
     """The dense form (split-K at decode M) on fragment-order weights, bias included."""
     gen = torch.Generator().manual_seed(m)
