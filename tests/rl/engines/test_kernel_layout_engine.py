@@ -174,14 +174,14 @@ def test_a_model_whose_buffers_are_sent_keeps_modelopt_bytes():
 @pytest.mark.parametrize("precision", ["w4a4_rac"])
 def test_v3_kernels_sample_the_v2_kernels_cpu(precision, monkeypatch):
     """Triton (the interpreter): after an in-place reload through the layer stream, the v3 main loop on the
-    engine's converted buffers gives the v2 loop's tokens and logprobs (prefill and two decode steps). One
+    engine's converted buffers gives the v2 loop's tokens and logprobs (prefill and one decode step). One
     generation, after the reload (the suite's slowest test otherwise: ~25 s an interpreted generation); the
     first load's bytes, and every reload's, are checked in `test_v3_engine_samples_the_v2_engine_and_reloads_in_place`."""
     monkeypatch.setenv("QUADS_BACKEND", "triton")
     v3, v2 = _engine(precision), _engine(precision, kernel_layout=False)
     _update(v3, 1, _layer_stream)
     _update(v2, 1)
-    params = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=[])
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, stop_token_ids=[])
     _same_generation(v3, v2, params)  # bit-identical: the v3 loop sums as the v2 loop does
 
 
