@@ -359,15 +359,20 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
             # step is ~10% more instructions at the same cap and no spills
             cands = [C(16, 128, 128, 4, 3, 8, True, max_regs=96), C(16, 128, 128, 8, 4, 8, True),
                      C(32, 128, 128, 4, 3, 8, True, max_regs=96), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
-                     C(32, 128, 128, 8, 3, 8, True), C(32, 64, 128, 4, 4, 8, True)]
+                     C(32, 128, 128, 8, 3, 8, True), C(32, 64, 128, 4, 4, 8, True),
+                     C(64, 128, 128, 4, 3, 8, True), C(64, 128, 128, 8, 3, 8, True)]
         elif rows <= 128:
+            # about half the experts have more rows than the mean (random routing): the next tile up
+            # (128 rows, or 64 token columns swap-AB) decodes their weights once instead of twice
             cands = [C(64, 128, 128, 8, 3), C(64, 128, 128, 8, 4), C(64, 64, 128, 4, 3),
-                     C(32, 64, 128, 4, 4, 8, True), C(32, 128, 128, 8, 4, 8, True),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=128), C(32, 128, 128, 4, 3, 8, True, max_regs=96),
-                     C(64, 64, 128, 4, 4, 8, True)]
+                     C(128, 128, 128, 8, 3), C(128, 64, 128, 4, 3),
+                     C(32, 128, 128, 4, 3, 8, True, max_regs=128), C(64, 128, 128, 4, 3, 8, True),
+                     C(64, 128, 128, 8, 3, 8, True), C(64, 64, 128, 4, 4, 8, True), C(64, 128, 128, 4, 4, 8, True),
+                     C(128, 128, 128, 8, 3, 8, True)]
         else:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
-                     C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4)]
+                     C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3, 8, True),
+                     C(64, 128, 128, 4, 4, 8, True)]
         return [None] + [(c, c) for c in cands]
     if rows <= 32:
         cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,

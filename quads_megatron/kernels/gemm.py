@@ -417,22 +417,24 @@ def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) ->
     return GemmConfig(128, 128, bk if rac else min(bk, 64), 8, 3)
 
 
-def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False) -> GemmConfig:
-    """Grouped tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps):
-    swap-AB (the decoded weight as wgmma's register operand) at decode sizes, (64 | 128) x 128
-    tiles at prefill, from `tools/bench_moe_layer.py --sweep` on the H100 (docs/benchmarks.md
-    section 5). <= 16 rows: the 128-row weight tile on 4 warps, 3 stages, capped at 96 registers
-    (5 CTAs per SM, no spills), 2-9% under the uncapped tile. 17-32 rows: the same tile with 32
-    token columns capped at 128 registers; a 64-token tile there pays for rows it does not have
-    (384 tokens of Qwen3-30B-A3B: 0.245 ms against 0.397 ms)."""
+def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, dense: bool = False) -> GemmConfig:
+    """Tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps), from
+    `tools/bench_moe_layer.py --sweep` and `tools/bench_w4a4_linear.py` on the H100 (docs/benchmarks.md
+    sections 5 and 6). Swap-AB (the decoded weight as wgmma's register operand, 4 warps, 3 stages)
+    with as many token columns as the rows need: 16, capped at 96 registers (5 CTAs per SM, no
+    spills); 32, capped at 128; 64, uncapped. The grouped layer keeps 64 token columns at any row
+    count (measured to 512 rows per expert: 8192 tokens of Qwen3-30B-A3B, 2.55 against 2.73 ms for
+    the 128 x 128 tile on 8 warps, which decodes a weight tile once per 128 rows but through shared
+    memory); the dense op only up to 64 rows (at 96-128 rows the 128 x 128 tile was 0-6% faster).
+    N not a multiple of 128 (64-row swap-AB N tiles) keeps the (64 | 128) x 128 tiles above 32 rows."""
     bn = 128 if n % 128 == 0 else 64
     if rows_per_expert <= 16:
         return GemmConfig(16, bn, 128, 4, 3, 8, True, max_regs=96)
     if rows_per_expert <= 32:
         return GemmConfig(32, bn, 128, 4, 3, 8, True, max_regs=128)
-    if rows_per_expert <= 64:
-        return GemmConfig(64, 128, 128, 8, 3)
-    return GemmConfig(128, 128, 128, 8, 3)
+    if bn == 128 and (rows_per_expert <= 64 or not dense):
+        return GemmConfig(64, 128, 128, 4, 3, 8, True)
+    return GemmConfig(64 if rows_per_expert <= 64 else 128, 128, 128, 8, 3)
 
 
 def dense_split_k(programs: int, k_steps: int, num_sms: int) -> int:
@@ -503,7 +505,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     if fragment_layout:
         check_fragment_shape(w, "weight")
         if config is None and routing is None:  # dense: split K until the GPU is full
-            config = fragment_config(m, n, k, rac=r is not None)
+            config = fragment_config(m, n, k, rac=r is not None, dense=True)
             programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
             config = config._replace(split_k=dense_split_k(programs, k // 128, device_sms(a.device)))
         elif config is None:

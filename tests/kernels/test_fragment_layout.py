@@ -15,7 +15,7 @@ from quads_megatron.kernels import reference, w4a4_fused_moe, w4a4_linear
 from quads_megatron.kernels.act_quant import quantize_activation_rac
 from quads_megatron.kernels.fragment_layout import (fragment_columns, from_fragment_order,
                                                     to_fragment_order)
-from quads_megatron.kernels.gemm import GemmConfig, decode_fragments, interpreting, launch_gemm
+from quads_megatron.kernels.gemm import GemmConfig, decode_fragments, fragment_config, interpreting, launch_gemm
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 from quads_megatron.nvfp4.core import dequantize_reference
 
@@ -271,14 +271,30 @@ def test_fragment_fused_moe_full_size_gpu(mode, dtype, t):
     _check_moe("cuda", mode, dtype, t, 2048, 768, 128, 8, True, full=True)
 
 
+# every tile of the bench's v3 sweep, `fragment_config`'s defaults among them
+SWEEP_TILES = [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
+               (16, 128, 128, 8, 4, 8, True), (32, 64, 128, 4, 4, 8, True),
+               (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False),
+               (16, 64, 128, 4, 3, 8, True, 1, 96), (16, 128, 128, 4, 3, 8, True, 1, 96),
+               (16, 128, 128, 4, 3, 8, True, 4, 96), (32, 128, 128, 4, 3, 8, True, 1, 96),
+               (32, 128, 128, 4, 3, 8, True, 1, 128), (32, 64, 128, 4, 3, 8, True, 1, 128),
+               (32, 128, 128, 8, 3, 8, True), (64, 128, 128, 4, 3, 8, True),
+               (64, 128, 128, 8, 3, 8, True), (128, 64, 128, 4, 3, 8, False),
+               (128, 128, 128, 8, 3, 8, True), (64, 128, 128, 4, 4, 8, True)]
+
+
+def test_default_tiles_are_gpu_tested():
+    """Each tile `fragment_config` picks (grouped and dense, 1 to 512 rows per expert, N a multiple of
+    128 or only of 64) is one `test_fragment_configs_gpu` checks on the GPU."""
+    tested = {GemmConfig(*c) for c in SWEEP_TILES}
+    for rows in (1, 8, 16, 17, 24, 32, 33, 48, 64, 65, 100, 128, 129, 256, 512):
+        for n in (1536, 2048, 320):
+            for dense in (False, True):
+                assert fragment_config(rows, n, 2048, dense=dense) in tested, (rows, n, dense)
+
+
 @gpu
-@pytest.mark.parametrize("cfg", [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
-                                 (16, 128, 128, 8, 4, 8, True), (32, 64, 128, 4, 4, 8, True),
-                                 (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False),
-                                 (16, 64, 128, 4, 3, 8, True, 1, 96), (16, 128, 128, 4, 3, 8, True, 1, 96),
-                                 (16, 128, 128, 4, 3, 8, True, 4, 96), (32, 128, 128, 4, 3, 8, True, 1, 96),
-                                 (32, 128, 128, 4, 3, 8, True, 1, 128), (32, 64, 128, 4, 3, 8, True, 1, 128),
-                                 (32, 128, 128, 8, 3, 8, True)])
+@pytest.mark.parametrize("cfg", SWEEP_TILES)
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.bfloat16)])
 def test_fragment_configs_gpu(cfg, mode, dtype):
     """Every tile of the bench's v3 sweep gives the reference's answer."""
@@ -289,7 +305,7 @@ def test_fragment_configs_gpu(cfg, mode, dtype):
 @gpu
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a4", torch.bfloat16),
                                         ("w4a16", torch.bfloat16)])
-@pytest.mark.parametrize("m", [1, 16, 24, 300])
+@pytest.mark.parametrize("m", [1, 16, 24, 48, 100, 300])
 def test_fragment_linear_gpu(mode, dtype, m):
     """The dense form (split-K at decode M) on fragment-order weights, bias included."""
     gen = torch.Generator().manual_seed(m)
