@@ -22,7 +22,7 @@ import triton.language as tl
 
 from quads_megatron.nvfp4.format import GLOBAL_SCALE_NUMERATOR
 from quads_megatron.nvfp4.triton_kernels import (e2m1_decode, e4m3_decode, global_scales,
-                                                 nvfp4_block_quantize)
+                                                 interpreter_rows, nvfp4_block_quantize)
 
 from .pdl import pdl_options, pdl_prologue
 
@@ -154,7 +154,8 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     fragment_order: the activation's fp16 values in the fragment GEMM's K order
     (`fragment_layout.fragment_columns`: values[:, p] = x's value at column fragment_columns(K)[p]);
     block_m: rows per program (default: 1 row with 1024-wide tiles below 512 rows, where a few
-    4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles).
+    4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles; in the CPU
+    interpreter `interpreter_rows`, few large programs).
     Triton only (CUDA, or CPU tensors under TRITON_INTERPRET=1); its torch definition is
     `quads_megatron.rac.quantize_compensated`.
     """
@@ -196,6 +197,8 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
                                    r_values)
     if block_m is None:
         block_m = 1 if m_rows < 512 else 4
+        if dev.type == "cpu":
+            block_m = interpreter_rows(4, 256, m_rows)
     block_k = min(1024 if block_m == 1 else 256, triton.next_power_of_2(k))
     block_kr = max(16, triton.next_power_of_2(max(kr, 1)))
     grid = (triton.cdiv(m_rows, block_m),)

@@ -401,6 +401,8 @@ def amax(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     rows, k = _launch_shape(x.shape)
     out = torch.zeros(rows if per_row else 1, dtype=torch.float32, device=x.device)
     block_r, block_k = (4, 1024) if k >= 1024 else (32, _block_k(k))
+    if x.device.type == "cpu":
+        block_r = interpreter_rows(block_r, block_k, rows)
     _amax_kernel[(triton.cdiv(rows, block_r),)](x, out, rows, k, PER_ROW=per_row,
                                                   BLOCK_R=block_r, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], 1) if per_row else out.view(())
@@ -435,10 +437,26 @@ DEQUANTIZE_TILE = {"block_r": 32, "block_k": 128, "num_warps": 4}
 """Launch shapes of the elementwise kernels, chosen by the tile sweep in docs/benchmarks.md."""
 
 
-def _tile(k: int, tile, default) -> tuple:
+INTERPRETER_TILE_ELEMENTS = 8192
+"""Elements per program in Triton's CPU interpreter, which runs a program as numpy operations on whole
+tiles: its cost is per program and operation, not per element, so a launch there takes few large tiles."""
+
+
+def interpreter_rows(block_r: int, block_k: int, rows: int) -> int:
+    """BLOCK_R for the CPU interpreter: about INTERPRETER_TILE_ELEMENTS per program, at most the rows
+    there are (a power of two). Every kernel here gives the same bits for any BLOCK_R (blocks of 16 along
+    K are independent; the amax is a max), so only the launch count changes."""
+    return max(block_r, min(triton.next_power_of_2(max(rows, 1)), INTERPRETER_TILE_ELEMENTS // block_k))
+
+
+def _tile(k: int, tile, default, rows: int, device: torch.device) -> tuple:
     t = dict(default, **(tile or {}))
     block_k = t["block_k"] if k % t["block_k"] == 0 else _block_k(k)
-    return t["block_r"], min(block_k, max(16, triton.next_power_of_2(k))), t["num_warps"]
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_r = t["block_r"]
+    if tile is None and device.type == "cpu":
+        block_r = interpreter_rows(block_r, block_k, rows)
+    return block_r, block_k, t["num_warps"]
 
 
 _WORDS = {torch.bfloat16: (torch.int32, 0), torch.float16: (torch.int32, 1),
@@ -464,7 +482,7 @@ def quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, tile=Non
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
     data = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
-    block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
+    block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE, rows, x.device)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](xw, data, scale, xw, senc, sdec, rows, k, PER_ROW=per_row,
                            FAKE=False, IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k,
@@ -482,7 +500,7 @@ def fake_quantize(x: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor,
     sdec, _ = _scale_layout(s_dec, rows, tuple(x.shape[:-1]))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ow, _ = _words(out)
-    block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE)
+    block_r, block_k, warps = _tile(k, tile, QUANTIZE_TILE, rows, x.device)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _quantize_kernel[grid](xw, ow, ow, ow, senc, sdec, rows, k, PER_ROW=per_row, FAKE=True,
                            IN_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, ASM=inline_ptx(x.device),
@@ -502,7 +520,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor,
     bf16 = dtype == torch.bfloat16
     out = torch.empty((*data.shape[:-1], k), dtype=torch.uint16 if bf16 else dtype,
                       device=data.device)
-    block_r, block_k, warps = _tile(k, tile, DEQUANTIZE_TILE)
+    block_r, block_k, warps = _tile(k, tile, DEQUANTIZE_TILE, rows, data.device)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](data, scale, sdec, out, rows, k, PER_ROW=per_row, OUT_BF16=bf16,
                              BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
@@ -588,6 +606,8 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
     both = fake and pack
     t = dict(grouped_tile(k, mode), **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
+    if tile is None and device.type == "cpu":
+        t["block_r"] = interpreter_rows(t["block_r"], block_k, group * r)
     if mode == AMAX_ONLY:
         ws = torch.zeros(2 * g, dtype=torch.int32, device=device)
         bad_ws, amax_ws = ws[:g], ws[g:].view(torch.float32)
