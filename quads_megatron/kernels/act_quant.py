@@ -196,9 +196,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         return QuantizedActivation(data, scale, s_dec, values, r_data, r_scale, r_s_dec,
                                    r_values)
     if block_m is None:
-        block_m = 1 if m_rows < 512 else 4
-        if dev.type == "cpu":
-            block_m = interpreter_rows(4, 256, m_rows)
+        block_m = interpreter_rows(1 if m_rows < 512 else 4, 256, m_rows, dev)
     block_k = min(1024 if block_m == 1 else 256, triton.next_power_of_2(k))
     block_kr = max(16, triton.next_power_of_2(max(kr, 1)))
     grid = (triton.cdiv(m_rows, block_m),)

@@ -401,8 +401,7 @@ def amax(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     rows, k = _launch_shape(x.shape)
     out = torch.zeros(rows if per_row else 1, dtype=torch.float32, device=x.device)
     block_r, block_k = (4, 1024) if k >= 1024 else (32, _block_k(k))
-    if x.device.type == "cpu":
-        block_r = interpreter_rows(block_r, block_k, rows)
+    block_r = interpreter_rows(block_r, block_k, rows, x.device)
     _amax_kernel[(triton.cdiv(rows, block_r),)](x, out, rows, k, PER_ROW=per_row,
                                                   BLOCK_R=block_r, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], 1) if per_row else out.view(())
@@ -442,10 +441,13 @@ INTERPRETER_TILE_ELEMENTS = 8192
 tiles: its cost is per program and operation, not per element, so a launch there takes few large tiles."""
 
 
-def interpreter_rows(block_r: int, block_k: int, rows: int) -> int:
-    """BLOCK_R for the CPU interpreter: about INTERPRETER_TILE_ELEMENTS per program, at most the rows
-    there are (a power of two). Every kernel here gives the same bits for any BLOCK_R (blocks of 16 along
-    K are independent; the amax is a max), so only the launch count changes."""
+def interpreter_rows(block_r: int, block_k: int, rows: int, device: torch.device) -> int:
+    """A default launch's BLOCK_R on `device`: block_r on a GPU; on CPU tensors (the interpreter) about
+    INTERPRETER_TILE_ELEMENTS per program, at most the rows there are (a power of two). Every kernel here
+    gives the same bits for any BLOCK_R (blocks of 16 along K are independent; the amax is a max), so
+    only the launch count changes."""
+    if device.type != "cpu":
+        return block_r
     return max(block_r, min(triton.next_power_of_2(max(rows, 1)), INTERPRETER_TILE_ELEMENTS // block_k))
 
 
@@ -453,9 +455,7 @@ def _tile(k: int, tile, default, rows: int, device: torch.device) -> tuple:
     t = dict(default, **(tile or {}))
     block_k = t["block_k"] if k % t["block_k"] == 0 else _block_k(k)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    block_r = t["block_r"]
-    if tile is None and device.type == "cpu":
-        block_r = interpreter_rows(block_r, block_k, rows)
+    block_r = t["block_r"] if tile else interpreter_rows(t["block_r"], block_k, rows, device)
     return block_r, block_k, t["num_warps"]
 
 
@@ -606,8 +606,8 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
     both = fake and pack
     t = dict(grouped_tile(k, mode), **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
-    if tile is None and device.type == "cpu":
-        t["block_r"] = interpreter_rows(t["block_r"], block_k, group * r)
+    if tile is None:
+        t["block_r"] = interpreter_rows(t["block_r"], block_k, group * r, device)
     if mode == AMAX_ONLY:
         ws = torch.zeros(2 * g, dtype=torch.int32, device=device)
         bad_ws, amax_ws = ws[:g], ws[g:].view(torch.float32)

@@ -271,7 +271,8 @@ def test_fragment_fused_moe_full_size_gpu(mode, dtype, t):
     _check_moe("cuda", mode, dtype, t, 2048, 768, 128, 8, True, full=True)
 
 
-# every tile of the bench's v3 sweep, `fragment_config`'s defaults among them
+# the v3 tiles checked against the reference on the GPU: `fragment_config`'s defaults and the
+# bench sweep's main alternatives
 SWEEP_TILES = [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
                (16, 128, 128, 8, 4, 8, True), (32, 64, 128, 4, 4, 8, True),
                (64, 128, 128, 8, 3, 8, False), (128, 128, 128, 8, 3, 8, False),
@@ -297,7 +298,7 @@ def test_default_tiles_are_gpu_tested():
 @pytest.mark.parametrize("cfg", SWEEP_TILES)
 @pytest.mark.parametrize("mode,dtype", [("w4a4_rac", torch.float32), ("w4a16", torch.bfloat16)])
 def test_fragment_configs_gpu(cfg, mode, dtype):
-    """Every tile of the bench's v3 sweep gives the reference's answer."""
+    """Every tile of SWEEP_TILES gives the reference's answer."""
     c = GemmConfig(*cfg)
     _check_moe("cuda", mode, dtype, 40, 512, 384, 16, 4, True, configs=(c, c))
 
