@@ -78,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-kernel", choices=KERNELS, default="v3", help="the kernel --sweep times")
     p.add_argument("--pdl-ab", action="store_true",
                    help="also time the last kernel's w4a4 and w4a4_rac launched without PDL (kernels.pdl)")
-    p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel CUDA time of the fp8, w4a4 and w4a4_rac layers (plain launches, no PDL)")
     args = p.parse_args(argv)
     if args.tiny:
         args.num_experts, args.hidden_size, args.moe_ffn_hidden_size = 8, 128, 128
@@ -329,15 +330,19 @@ def layer_ms(fn: Callable, dev: torch.device, iters: int, reps: int) -> float:
 
 def kernel_profile(fn: Callable, calls: int = 5) -> list:
     """[(kernel name, CUDA us per call)] of `calls` eager calls under torch.profiler, largest first:
-    where the layer's time goes (the graph replay removes the host gaps, not the kernels)."""
+    where the layer's time goes (the graph replay removes the host gaps, not the kernels). Launched
+    without PDL: under PDL a kernel's time includes its wait for the one before (`kernels.pdl`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+    from quads_megatron.kernels import pdl
+
+    with pdl.disabled():
+        fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
     per = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
