@@ -426,7 +426,9 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, d
     count (measured to 512 rows per expert: 8192 tokens of Qwen3-30B-A3B, 2.55 against 2.73 ms for
     the 128 x 128 tile on 8 warps, which decodes a weight tile once per 128 rows but through shared
     memory); the dense op only up to 64 rows (at 96-128 rows the 128 x 128 tile was 0-6% faster).
-    N not a multiple of 128 (64-row swap-AB N tiles) keeps the (64 | 128) x 128 tiles above 32 rows."""
+    N not a multiple of 128 (64-row swap-AB N tiles) keeps the (64 | 128) x 128 tiles above 32 rows.
+    k and rac are taken for `default_config`'s signature (`moe_configs` calls either): the tiles here do
+    not depend on them (the RAC residual step runs in every tile; register caps hold with it, no spills)."""
     bn = 128 if n % 128 == 0 else 64
     if rows_per_expert <= 16:
         return GemmConfig(16, bn, 128, 4, 3, 8, True, max_regs=96)
