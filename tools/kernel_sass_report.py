@@ -11,7 +11,8 @@ thread and step, instructions per weight (all, and the decode's LOP3/SHF/PRMT/F2
 alone), the shared-memory stores, ldmatrix and shuffles inside the K loop (a round trip of the
 decoded tile shows there: v2's convert_layout to the dot operand lowers to STS + LDSM; v3 loads
 words and scales by cp.async straight into the fragment layout and has none in swap-AB tiles), and
-whether every wgmma takes A from registers, registers per thread and spilled bytes.
+whether every wgmma takes A from registers, registers per thread, spilled bytes, shared memory per CTA and
+the CTAs an SM holds (ncu's occupancy limits, offline).
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ def resources(cubin: bytes) -> dict:
                 spill_bytes=int(local.group(1)) if local else None)
 
 
+def ctas_per_sm(regs: int, smem_bytes: int, num_warps: int) -> int:
+    """CTAs one sm_90 SM holds: registers (per warp, rounded up to 256; 64 K per SM), shared memory (the
+    228 KB carveout, 1 KB reserved per CTA; the driver may pick a smaller one, as ncu's "Block Limit Shared
+    Mem" shows) and warps (64 per SM), at most 32."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (65536 // per_warp) // num_warps
+    by_smem = 233472 // (smem_bytes + 1024)
+    return min(by_regs, by_smem, 64 // num_warps, 32)
+
+
 def mma_loops(sass: str) -> list[list[str]]:
     """Opcodes of every backward-branch loop that issues HGMMA, the K loop (most HGMMA) first; a RAC
     form with stored columns has a second one, its residual steps."""
@@ -114,6 +125,7 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool =
     threads = 32 * cfg.num_warps
     per_thread = cfg.block_n * cfg.block_k // threads
     ptx = c.asm["ptx"]
+    res = resources(c.asm["cubin"])
     wgmma = re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\{|%rd)", ptx)
     mode = "w4a16" if w4a16 else ("w4a4_rac" if rac else "w4a4")
     return dict(layout="v3 fragment" if frag else "v2 row-major", mode=mode,
@@ -122,7 +134,8 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool =
                 loop_sts_ldsm_shfl=sum(v for k, v in ops.items()
                                        if k.startswith(("STS", "LDSM", "SHFL"))),
                 wgmma_a_from_registers=bool(wgmma) and all(w == "{" for w in wgmma),
-                **resources(c.asm["cubin"]),
+                **res, smem_bytes=c.metadata.shared,
+                ctas_per_sm=ctas_per_sm(res["regs"], c.metadata.shared, cfg.num_warps) if res["regs"] else None,
                 residual_loop=None if residual is None else
                 dict(instructions=sum(residual.values()), ldg_u16=residual["LDG.E.U16"],
                      sts=sum(v for k, v in residual.items() if k.startswith("STS"))),

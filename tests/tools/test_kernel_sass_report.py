@@ -1,0 +1,26 @@
+"""tools/kernel_sass_report.py's occupancy arithmetic against what ncu measured on an H100 (docs/results/gpu-2026-12-07d)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "kernel_sass_report.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("kernel_sass_report", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("regs,smem,warps,want", [
+    (85, 36864, 4, 5),    # ncu: the 16-token tile, "Block Limit Registers 5"
+    (215, 73728, 4, 2),   # ncu: the 64-token tile, "Block Limit Registers 2", "Block Limit Shared Mem 3"
+    (32, 73728, 4, 3),    # shared memory binds: 3 x (72 + 1) KB of the 228 KB carveout
+    (24, 0, 4, 16),       # warps bind: 64 per SM
+    (24, 0, 1, 32),       # CTAs bind: 32 per SM
+])
+def test_ctas_per_sm(regs, smem, warps, want):
+    assert _tool().ctas_per_sm(regs, smem, warps) == want
