@@ -361,7 +361,8 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
             # the default caps registers at 96 (3 stages, 5 CTAs per SM); uncapped the tile takes 158 (3 CTAs)
             # 32-token tiles: at 256 tokens (16 rows per expert on average) about half the experts have more
             # than 16 rows, so a 16-row tile decodes their weights twice; offline (sm_90) the 32-row tile's
-            # step is ~10% more instructions at the same cap and no spills
+            # step is ~10% more instructions at the same cap, and it spills (72-120 bytes a thread at 96-128
+            # registers, none from 168: tools/kernel_sass_report.py)
             cands = [C(16, 128, 128, 4, 3, 8, True, max_regs=96), C(16, 128, 128, 8, 4, 8, True),
                      C(32, 128, 128, 4, 3, 8, True, max_regs=96), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
                      C(32, 128, 128, 8, 3, 8, True), C(32, 64, 128, 4, 4, 8, True),

@@ -75,13 +75,20 @@ def cuobjdump(cubin: bytes, flag: str) -> str:
                               text=True).stdout
 
 
-def resources(cubin: bytes) -> dict:
-    """Registers per thread and local-memory bytes (spills) of the kernel."""
-    usage = cuobjdump(cubin, "-res-usage")
+def parse_res_usage(usage: str) -> dict:
+    """cuobjdump -res-usage text -> registers per thread and the bytes spilled per thread: ptxas of CUDA 12+
+    puts register spills in the stack frame (STACK), older ones in LOCAL; a Triton kernel has no other use
+    of either, so their sum is what spilled."""
+    def field(name):
+        m = re.search(name + r":(\d+)", usage)
+        return int(m.group(1)) if m else 0
     regs = re.search(r"REG:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
-    return dict(regs=int(regs.group(1)) if regs else None,
-                spill_bytes=int(local.group(1)) if local else None)
+    return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=field("STACK") + field("LOCAL"))
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and spilled bytes per thread of the kernel (`parse_res_usage`)."""
+    return parse_res_usage(cuobjdump(cubin, "-res-usage"))
 
 
 def ctas_per_sm(regs: int, smem_bytes: int, num_warps: int) -> int:

@@ -24,3 +24,11 @@ def _tool():
 ])
 def test_ctas_per_sm(regs, smem, warps, want):
     assert _tool().ctas_per_sm(regs, smem, warps) == want
+
+
+def test_spills_are_read_from_the_stack_frame():
+    """cuobjdump of the 32-token tile capped at 128 registers (Triton 3.6, ptxas of CUDA 12.8): its spills
+    are the 80-byte stack frame, LOCAL stays 0."""
+    line = "  REG:128 STACK:80 SHARED:1024 LOCAL:0 CONSTANT[0]:736 TEXTURE:0 SURFACE:0 SAMPLER:0"
+    assert _tool().parse_res_usage(line) == dict(regs=128, spill_bytes=80)
+    assert _tool().parse_res_usage("  REG:85 STACK:0 SHARED:0 LOCAL:0")["spill_bytes"] == 0
