@@ -2,9 +2,7 @@
 (against a per-token loop), the cached and uncached AQAT forwards it compares compute the same
 thing, and the numbers it reports are consistent with each other and with argv."""
 
-import importlib.util
 import json
-import os
 import sys
 
 import pytest
@@ -13,16 +11,11 @@ import torch.nn.functional as F
 
 from quads_megatron import nvfp4
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_aqat_overhead", os.path.join(ROOT, "tools", "bench_aqat_overhead.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_tool):
+    return load_tool("bench_aqat_overhead")
 
 
 def _moe_loop(layer, x, w13, w2):

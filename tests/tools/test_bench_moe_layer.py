@@ -4,27 +4,15 @@ The speed numbers come from the H200 runs in docs/benchmarks.md; on CPU the kern
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1) and nothing is graph-captured.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_moe_layer.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU (interpreter) path")
-def test_bench_moe_layer_tiny_cpu(tmp_path, capsys):
+def test_bench_moe_layer_tiny_cpu(load_tool, tmp_path, capsys):
     out = tmp_path / "moe.json"
-    rc = _tool().main(["--device", "cpu", "--tiny", "--tokens", "1", "--iters", "1", "--json", str(out)])
+    rc = load_tool("bench_moe_layer").main(["--device", "cpu", "--tiny", "--tokens", "1", "--iters", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     assert rc == 0
     assert data["meta"]["num_experts"] == 8 and data["meta"]["rac_channels"] == 16 and not data["meta"]["graphs"]

@@ -1,17 +1,12 @@
 """tools/bench_refit.py runs end to end at tiny size on CPU: its correctness check passes and it prints its table."""
 
-import importlib.util
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_bench_refit_runs_tiny_on_cpu(monkeypatch, capsys, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_refit", os.path.join(ROOT, "tools", "bench_refit.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_refit_runs_tiny_on_cpu(load_tool, monkeypatch, capsys, tmp_path):
+    bench = load_tool("bench_refit")
     out = tmp_path / "refit.json"
     monkeypatch.setattr(sys, "argv", ["bench_refit", "--device", "cpu", "--tiny", "--json", str(out)])
     bench.main()

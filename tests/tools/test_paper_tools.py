@@ -7,22 +7,13 @@ has no gap; AQAT's trainer and a W4A16 rollout see the same weights; the tiny mo
 weight-only floor, far below W4A4's); k3 = e^d - 1 - d is never negative; throughput is tokens / time.
 """
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 SMALL = ["--task", "sort:3", "--seq-length", "16", "--max-new-tokens", "5", "--num-prompts", "4",
          "--n-samples-per-prompt", "2", "--sft-iters", "2"]
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _outs(tmp_path, stem):
@@ -36,8 +27,8 @@ def _check_files(tmp_path, stem):
     return data
 
 
-def test_activation_error(tmp_path):
-    _tool("paper_activation_error").main(SMALL + _outs(tmp_path, "ae"))
+def test_activation_error(load_tool, tmp_path):
+    load_tool("paper_activation_error").main(SMALL + _outs(tmp_path, "ae"))
     data = _check_files(tmp_path, "ae")
     by = {(r["trainer"], r["rollout"]): r for r in data["results"]}
     assert len(by) == 10
@@ -67,8 +58,8 @@ def test_activation_error(tmp_path):
     assert by["w4a16", "w4a4_rac"]["mean_abs"] < 0.2 * by["w4a16", "w4a4"]["mean_abs"]
 
 
-def test_rac_sweep(tmp_path):
-    _tool("paper_rac_sweep").main(SMALL + ["--ks", "0,16,64,128", "--layer-tokens", "8"] + _outs(tmp_path, "rs"))
+def test_rac_sweep(load_tool, tmp_path):
+    load_tool("paper_rac_sweep").main(SMALL + ["--ks", "0,16,64,128", "--layer-tokens", "8"] + _outs(tmp_path, "rs"))
     data = _check_files(tmp_path, "rs")
     assert data["skipped_ks"] == [128]  # tiny: K = 64
     rows = {(r["k"], r["channels"]): r for r in data["results"]}
@@ -81,8 +72,8 @@ def test_rac_sweep(tmp_path):
     assert rows[16, "calibrated"]["mean_abs"] < rows[0, "none"]["mean_abs"]
 
 
-def test_throughput(tmp_path):
-    _tool("paper_throughput").main(SMALL + ["--batch-size", "2", "--prefill-tokens", "8", "--repeats", "1",
+def test_throughput(load_tool, tmp_path):
+    load_tool("paper_throughput").main(SMALL + ["--batch-size", "2", "--prefill-tokens", "8", "--repeats", "1",
                                             "--precisions", "bf16,w4a4"] + _outs(tmp_path, "tp"))
     data = _check_files(tmp_path, "tp")
     assert [r["precision"] for r in data["results"]] == ["bf16", "w4a4"]
@@ -93,11 +84,11 @@ def test_throughput(tmp_path):
         assert r["rac_channels"] == 0 and r["moe_layer_cuda_graph"] is False
 
 
-def test_rl_stability(tmp_path):
+def test_rl_stability(load_tool, tmp_path):
     argv = SMALL + _outs(tmp_path, "rl") + ["--work-dir", str(tmp_path / "work"), "--save-interval", "0", "--",
                                             "--train-iters", "2", "--rollout-batch-size", "2",
                                             "--n-samples-per-prompt", "2", "--eval-interval", "2"]
-    _tool("paper_rl_stability").main(argv)
+    load_tool("paper_rl_stability").main(argv)
     data = _check_files(tmp_path, "rl")
     rows = [(r["train"], r["rollout"], r["routing_replay"]) for r in data["runs"]]
     # naive W4A4 vs QUADS' AQAT trainer, each also with rollout routing replay (R3)
@@ -114,10 +105,10 @@ def test_rl_stability(tmp_path):
     assert runs["bf16"]["mean_gap"] < 1e-6 and runs["bf16"]["mean_routing_disagreement"] <= 0.01
     assert runs["bf16"]["mean_gap"] < runs["w4a4_rac"]["mean_gap"] < 0.2 * runs["w4a4"]["mean_gap"]
     # resumable: a second invocation reads the finished runs back instead of rerunning them
-    again = _tool("paper_rl_stability").main(argv)
+    again = load_tool("paper_rl_stability").main(argv)
     assert [r["wall_time_s"] for r in again["runs"]] == [r["wall_time_s"] for r in data["runs"]]
     # a study cut short: a run without its record is plotted up to its last step, read back from TensorBoard
-    tool = _tool("paper_rl_stability")
+    tool = load_tool("paper_rl_stability")
     cut = data["runs"][1]
     (tmp_path / "work" / f"{tool._slug(cut['config'], cut['seed'])}.json").unlink()
     part = tool.main(SMALL + _outs(tmp_path / "cut", "rl") + ["--work-dir", str(tmp_path / "work"), "--plot-only"])
@@ -129,13 +120,13 @@ def test_rl_stability(tmp_path):
     assert read["pass@1_after"] == pytest.approx(cut["pass@1_after"], rel=1e-6)
 
 
-def test_rl_stability_runs_concurrently(tmp_path):
+def test_rl_stability_runs_concurrently(load_tool, tmp_path):
     """--jobs: each run in its own process, the parent reads the records back; a run's history is the one the
     same run gives in-process (same seed, same flags)."""
     rows = ["--rows", "BF16 rollout,naive W4A4 (BF16 trainer)"]
     job = ["--", "--train-iters", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
            "--eval-interval", "2"]
-    tool = _tool("paper_rl_stability")
+    tool = load_tool("paper_rl_stability")
     par = tool.main(SMALL + _outs(tmp_path / "par", "rl") + rows + ["--jobs", "2", "--work-dir",
                                                                       str(tmp_path / "w1"), "--save-interval", "0"] + job)
     assert [r["config"] for r in par["runs"]] == ["BF16 rollout", "naive W4A4 (BF16 trainer)"]
@@ -145,8 +136,8 @@ def test_rl_stability_runs_concurrently(tmp_path):
     assert par["runs"][0]["history"] == seq["runs"][0]["history"]
 
 
-def test_rl_stability_child_flags():
-    tool = _tool("paper_rl_stability")
+def test_rl_stability_child_flags(load_tool):
+    tool = load_tool("paper_rl_stability")
     argv = ["--hf-checkpoint", "ck", "--rows", "a,b", "--jobs", "3", "--out-json=x.json", "--seeds", "1,2",
             "--task", "sort:10", "--", "--train-iters", "300", "--rows", "kept"]
     got = tool.child_argv(argv, "BF16 rollout", 2, Path("/w"))
@@ -155,16 +146,16 @@ def test_rl_stability_child_flags():
                    "--out-png", "/w/bf16_rollout_seed2.png", "--", "--train-iters", "300", "--rows", "kept"]
 
 
-def test_rl_stability_trailing_mean():
-    tool = _tool("paper_rl_stability")
+def test_rl_stability_trailing_mean(load_tool):
+    tool = load_tool("paper_rl_stability")
     assert tool.trailing_mean([1, 2, 3, 4], 2) == [1.5, 2.5, 3.5]
     assert tool.trailing_mean([4.0, 0.0, 2.0], 3) == [2.0]
     assert tool.trailing_mean([5], 1) == [5.0]
 
 
-def test_rl_stability_summary_table():
+def test_rl_stability_summary_table(load_tool):
     """Reward of the first / last span steps, the rest over the whole history and its last 4 spans."""
-    tool = _tool("paper_rl_stability")
+    tool = load_tool("paper_rl_stability")
     h = [{"step": i + 1, "reward": float(i), "gap": 0.01 * (i + 1), "gap_p99": 0.1, "kl": 0.002,
           "routing_disagreement": None if i == 0 else 0.5, "grad_norm": 2.0, "pass": None} for i in range(4)]
     run = {"config": "naive W4A4 (BF16 trainer)", "seed": 2, "history": h, "pass@1_before": 0.25,

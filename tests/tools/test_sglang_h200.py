@@ -1,7 +1,6 @@
 """tools/sglang_h200.py's dummy-weight model directories are what SGLang reads: config.json alone, and for QUADS
 the quantization_config an export of the same plan writes (parsed by SGLang's own get_quant_config)."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,16 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("sglang_h200", os.path.join(ROOT, "tools", "sglang_h200.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_dummy_model_dirs(tmp_path):
+def test_dummy_model_dirs(load_tool, tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core builds the benchmark's config")
-    tool = _tool()
+    tool = load_tool("sglang_h200")
     cfg = tool.model_config(num_layers=48)
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]) == \
         (48, 2048, 128, 768)
@@ -35,7 +27,7 @@ def test_dummy_model_dirs(tmp_path):
     assert any("self_attn" in m for m in qc["exclude_modules"])  # the plan's carve-outs, as an export has them
 
 
-def test_dummy_quads_dir_parses_in_sglang(tmp_path):
+def test_dummy_quads_dir_parses_in_sglang(load_tool, tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core builds the benchmark's config")
     pytest.importorskip("sglang", reason="SGLang is not installed")
     sys.path.insert(0, os.path.join(ROOT, "tests", "sglang_ext"))
@@ -48,7 +40,7 @@ def test_dummy_quads_dir_parses_in_sglang(tmp_path):
 
     from sglang_ext.config import QuadsConfig
 
-    tool = _tool()
+    tool = load_tool("sglang_h200")
     model = tool.dummy_model(tmp_path, tool.model_config(num_layers=2), "w4a4", 0)
     qc = get_quant_config(ModelConfig(model_path=str(model), quantization="quads"), LoadConfig(load_format="dummy"), {})
     assert isinstance(qc, QuadsConfig) and qc.rollout.precision.value == "w4a4" and not qc.rollout.uses_rac
