@@ -422,11 +422,12 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, d
     `tools/bench_moe_layer.py --sweep` and `tools/bench_w4a4_linear.py` on the H100 (docs/benchmarks.md
     sections 5 and 6). Swap-AB (the decoded weight as wgmma's register operand, 4 warps, 3 stages)
     with as many token columns as the rows need: 16, capped at 96 registers (5 CTAs per SM, no
-    spills); 32, capped at 128 (4 CTAs per SM; ptxas spills 80 / 112 bytes a thread there, W4A4 / RAC,
-    and the tile was still faster than under a cap of 96 in the sweep); 64, uncapped. The grouped layer keeps 64 token columns at any row
-    count (measured to 512 rows per expert: 8192 tokens of Qwen3-30B-A3B, 2.55 against 2.73 ms for
-    the 128 x 128 tile on 8 warps, which decodes a weight tile once per 128 rows but through shared
-    memory); the dense op only up to 64 rows (at 96-128 rows the 128 x 128 tile was 0-6% faster).
+    spills); 32, capped at 128 (4 CTAs per SM; ptxas spills 80 / 112 bytes a thread there, W4A4 /
+    RAC, and the tile was still faster than under a cap of 96 in the sweep); 64, uncapped. The
+    grouped layer keeps 64 token columns at any row count (measured to 512 rows per expert: 8192
+    tokens of Qwen3-30B-A3B, 2.55 against 2.73 ms for the 128 x 128 tile on 8 warps, which decodes a
+    weight tile once per 128 rows but through shared memory); the dense op only up to 64 rows (at
+    96-128 rows the 128 x 128 tile was 0-6% faster).
     N not a multiple of 128 (64-row swap-AB N tiles) keeps the (64 | 128) x 128 tiles above 32 rows.
     k and rac are taken for `default_config`'s signature (`moe_configs` calls either): the tiles here do
     not depend on them (the RAC residual step runs in every tile)."""

@@ -455,7 +455,9 @@ def _tile(k: int, tile, default, rows: int, device: torch.device) -> tuple:
     t = dict(default, **(tile or {}))
     block_k = t["block_k"] if k % t["block_k"] == 0 else _block_k(k)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    block_r = t["block_r"] if tile else interpreter_rows(t["block_r"], block_k, rows, device)
+    block_r = t["block_r"]
+    if "block_r" not in (tile or {}):  # a block_r the caller chose is kept, on any device
+        block_r = interpreter_rows(block_r, block_k, rows, device)
     return block_r, block_k, t["num_warps"]
 
 
@@ -606,7 +608,7 @@ def grouped(mats, group: int, *, mode: int, fake: bool = False, amax=None, bad=N
     both = fake and pack
     t = dict(grouped_tile(k, mode), **(tile or {}))
     block_k = min(t["block_k"], max(16, triton.next_power_of_2(k)))
-    if tile is None:
+    if "block_r" not in (tile or {}):  # as `_tile`
         t["block_r"] = interpreter_rows(t["block_r"], block_k, group * r, device)
     if mode == AMAX_ONLY:
         ws = torch.zeros(2 * g, dtype=torch.int32, device=device)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from quads_megatron import nvfp4
 
 
-
 @pytest.fixture(scope="module")
 def bench(load_tool):
     return load_tool("bench_aqat_overhead")

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU (interpreter) path")
 def test_bench_moe_layer_tiny_cpu(load_tool, tmp_path, capsys):
     out = tmp_path / "moe.json"

@@ -4,7 +4,6 @@ import json
 import sys
 
 
-
 def test_bench_refit_runs_tiny_on_cpu(load_tool, monkeypatch, capsys, tmp_path):
     bench = load_tool("bench_refit")
     out = tmp_path / "refit.json"
