@@ -18,7 +18,7 @@ shards, as ModelOpt does (all shards read the same activation).
 Kernel layout (issue 25): where every shard's rows and the local K fit (`plan.kernel_layout`),
 `layer.quads_weight_layout` is the v3 kernels' byte order: loads write ModelOpt bytes, the shards
 they wrote (`layer.quads_fresh`) are converted in place, once, by `process_weights_after_loading`
-after the RAC columns are built from ModelOpt codes; `modelopt_codes` reads them back.
+after the RAC columns are built from ModelOpt codes and scales; `modelopt_bytes` reads them back.
 Every checkpoint tensor is checked as it is loaded (`sglang_ext.checkpoint_format`): dtype, shape,
 finite positive scales, NaN E4M3 bytes, RAC indices; `process_weights_after_loading` names any
 shard the first load did not write. So the forward runs without the kernels' value checks
@@ -88,11 +88,11 @@ def _shard_bounds(layer: torch.nn.Module) -> List[int]:
     return torch.tensor([0] + list(layer.logical_widths)).cumsum(0).tolist()
 
 
-def modelopt_codes(layer: torch.nn.Module) -> torch.Tensor:
-    """`weight` in ModelOpt order (the parameter itself in the v2 layout, else as
-    `PendingRows.modelopt_codes` reads it): RAC columns, checks and any read-back for a re-send."""
-    w = layer.weight.detach()
-    return w if layer.quads_weight_layout == "modelopt" else layer.quads_fresh.modelopt_codes(w)
+def modelopt_bytes(layer: torch.nn.Module, pname: str = WEIGHT) -> torch.Tensor:
+    """`weight` / `weight_scale` in ModelOpt order (the parameter itself in the v2 layout, else as
+    `PendingRows.modelopt` reads it): RAC columns, checks and any read-back for a re-send."""
+    t = getattr(layer, pname).detach()
+    return t if layer.quads_weight_layout == "modelopt" else layer.quads_fresh[pname].modelopt(t, pname)
 
 
 class PerShardIndexParameter(BasevLLMParameter):
@@ -177,7 +177,8 @@ class QuadsLinearMethod(LinearMethodBase):
         layer.params_dtype = params_dtype
         layer.quads_input_size = input_size
         layer.quads_slices = SliceLog()
-        layer.quads_fresh = PendingRows()  # weight rows written in ModelOpt order since the last conversion
+        # rows of the codes and of the block scales written in ModelOpt order since the last conversion
+        layer.quads_fresh = {WEIGHT: PendingRows(), WEIGHT_SCALE: PendingRows(scales=True)}
         fits = kernel_layout_fits(n, input_size_per_partition) and all(
             kernel_layout_fits(w, input_size_per_partition) for w in output_partition_sizes)
         layer.quads_weight_layout = KERNEL_WEIGHT_LAYOUT if fits else "modelopt"  # by shape, for the layer's life
@@ -220,10 +221,10 @@ class QuadsLinearMethod(LinearMethodBase):
         else:
             loaded = check_tensor_scale(name, loaded, "scale")
         layer.quads_slices.mark(pname, shards)
-        if pname == "weight" and layer.quads_weight_layout != "modelopt":
+        if pname in layer.quads_fresh and layer.quads_weight_layout != "modelopt":
             b = _shard_bounds(layer)
             for i in shards:
-                layer.quads_fresh.mark([0], b[i], b[i + 1])
+                layer.quads_fresh[pname].mark([0], b[i], b[i + 1])
         return loaded
 
     # --- after loading (runs again at the end of every RL weight update) ---------------
@@ -260,7 +261,8 @@ class QuadsLinearMethod(LinearMethodBase):
             for pname in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
                 layer.quads_slices.mark(pname, range(shards))
             if layer.quads_weight_layout != "modelopt":
-                layer.quads_fresh.mark([0], 0, layer.weight.shape[0])
+                for pending in layer.quads_fresh.values():
+                    pending.mark([0], 0, layer.weight.shape[0])
         self._check_complete(layer)
         ws2 = layer.weight_scale_2.detach()
         if self.rollout.static_activation_scale:
@@ -268,11 +270,12 @@ class QuadsLinearMethod(LinearMethodBase):
         comp = layer.input_comp_index.detach().view(shards, -1) if self.rollout.uses_rac else None
         if comp is not None:  # the weights are final here (first load and every weight update)
             bounds = _shard_bounds(layer)
-            w, ws = modelopt_codes(layer), layer.weight_scale.detach()
+            w, ws = modelopt_bytes(layer, WEIGHT), modelopt_bytes(layer, WEIGHT_SCALE)
             copy_or_rebind_param(layer, "comp_weight", torch.cat([
                 rac_weight_columns(w[lo:hi], ws[lo:hi], comp[i])
                 for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]))
-        layer.quads_fresh.settle(layer.weight.data)  # last: what this update wrote, into the kernel layout
+        for pname, pending in layer.quads_fresh.items():  # last: what this update wrote, into the kernel layout
+            pending.settle(getattr(layer, pname).data, pname)
         shared = bool((ws2 == ws2[0]).all()) and (comp is None or bool((comp == comp[0]).all()))
         # The plan is fixed by the first load: a captured CUDA graph replays it, so a reload
         # may not switch a fused layer to per-shard GEMMs (per-shard stays valid for any data).

@@ -16,11 +16,11 @@ Derived after loading (same tensors refilled on every reload, so CUDA graphs sta
                                        (`quads_megatron.kernels.rac_columns`), w4a4_rac only.
 Kernel layout (issue 25): where the local shapes fit (`plan.kernel_layout.kernel_layout_fits` of
 w13 and w2), `layer.quads_weight_layout` is the v3 kernels' byte order: the loaders write ModelOpt
-bytes, `layer.quads_fresh` (`plan.kernel_layout.PendingRows`) records the rows written since the last
+bytes, `layer.quads_fresh` (`plan.kernel_layout.PendingRows`, one per code and scale tensor) records the rows written since the last
 `process_weights_after_loading`, which builds the RAC columns from ModelOpt codes and then converts
 exactly those slices in place (a partial reload converts only what it wrote; CUDA graphs keep the
 storage). Every update must end in `process_weights_after_loading` (SGLang's end_weight_update), as
-the RAC columns and BF16 staging already require. `modelopt_codes` reads the codes back.
+the RAC columns and BF16 staging already require. `modelopt_bytes` reads codes and scales back.
 A layer holding every expert unsharded (EP = 1, MoE TP = 1) also takes each parameter whole, under its own
 name (`model.layers.0.mlp.experts.w13_weight`, SGLang's two-argument `weight_loader(param, tensor)`):
 `sglang_ext.stacked_load` checks it once, copies it in place and marks every slice written (the RL tensor
@@ -100,20 +100,21 @@ def every_slot(layer: torch.nn.Module, pname: str) -> list:
 
 def mark_written(layer: torch.nn.Module, pname: str, slots) -> None:
     """Record (local expert, shard) slices of `pname` a load wrote: for the check of what the first load
-    missed (`quads_slices`) and, for the codes in the kernel layout, the rows to convert once (`quads_fresh`)."""
+    missed (`quads_slices`) and, for codes and scales in the kernel layout, the rows to convert once (`quads_fresh`)."""
     layer.quads_slices.mark(pname, slots)
     if pname in layer.quads_fresh:
         for e, sid in slots:
             layer.quads_fresh[pname].mark([e], *_weight_rows(layer, pname, sid))
 
 
-def modelopt_codes(layer: torch.nn.Module, pname: str) -> torch.Tensor:
-    """`w13_weight` / `w2_weight` codes in ModelOpt order (the parameter itself in the v2 layout, else as
-    `PendingRows.modelopt_codes` reads them): what the RAC columns, checks and any re-send read."""
-    w = getattr(layer, pname).detach()
+def modelopt_bytes(layer: torch.nn.Module, pname: str) -> torch.Tensor:
+    """`w13_weight` / `w2_weight` codes or `w13_weight_scale` / `w2_weight_scale` block scales in ModelOpt order
+    (the parameter itself in the v2 layout, else as `PendingRows.modelopt` reads them): what the RAC columns,
+    checks and any re-send read."""
+    t = getattr(layer, pname).detach()
     if layer.quads_weight_layout == "modelopt":
-        return w
-    return layer.quads_fresh[pname].modelopt_codes(w, pname)
+        return t
+    return layer.quads_fresh[pname].modelopt(t, pname)
 
 
 def _nan(*shape: int) -> torch.Tensor:
@@ -165,8 +166,8 @@ class QuadsMoEMethod(FusedMoEMethodBase):
         layer.quads_slices = SliceLog()
         layer.quads_weight_layout = (KERNEL_WEIGHT_LAYOUT if kernel_layout_fits(2 * f, h) and kernel_layout_fits(h, f)
                                      else "modelopt")  # by the local shapes, fixed for the layer's life
-        # the codes' rows written in ModelOpt order since the last conversion (kernel layout only)
-        layer.quads_fresh = ({p: PendingRows() for p in ("w13_weight", "w2_weight")}
+        # the rows of the codes and block scales written in ModelOpt order since the last conversion (kernel layout only)
+        layer.quads_fresh = ({p: PendingRows(scales=p.endswith("_scale")) for p in _TRACKED}
                              if layer.quads_weight_layout != "modelopt" else {})
 
         def add(pname: str, data: torch.Tensor, weight_loader=loader, **attrs) -> None:
@@ -335,10 +336,10 @@ class QuadsMoEMethod(FusedMoEMethodBase):
             copy_or_rebind_param(layer, "w13_comp_index", flat[0].contiguous())
             # the weights are final here (first load and every weight update): store Wq[:, S]
             copy_or_rebind_param(layer, "w13_comp_weight", rac_weight_columns(
-                modelopt_codes(layer, "w13_weight"), layer.w13_weight_scale.detach(),
+                modelopt_bytes(layer, "w13_weight"), modelopt_bytes(layer, "w13_weight_scale"),
                 layer.w13_comp_index.detach()))
             copy_or_rebind_param(layer, "w2_comp_weight", rac_weight_columns(
-                modelopt_codes(layer, "w2_weight"), layer.w2_weight_scale.detach(),
+                modelopt_bytes(layer, "w2_weight"), modelopt_bytes(layer, "w2_weight_scale"),
                 layer.w2_input_comp_index.detach()))
         for pname, pending in layer.quads_fresh.items():  # last: what this update wrote, into the kernel layout
             pending.settle(getattr(layer, pname).data, pname)

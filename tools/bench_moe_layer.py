@@ -104,7 +104,7 @@ class Experts(NamedTuple):
     w13_fp8_scale: torch.Tensor
     w2_fp8: torch.Tensor    # e4m3 [E, H, F], scales [E, H]
     w2_fp8_scale: torch.Tensor
-    w13_frag: tuple  # w13 / w2 with the codes in fragment order (the v3 kernel's load-time layout)
+    w13_frag: tuple  # w13 / w2 with codes and block scales in fragment order (the v3 kernel's load-time layout)
     w2_frag: tuple
 
 
@@ -132,7 +132,7 @@ def comp_channels(k_in: int, k: int, groups: Optional[int], gen: torch.Generator
 
 
 def build_experts(args, gen: torch.Generator, dev) -> Experts:
-    from quads_megatron.kernels.fragment_layout import to_fragment_order
+    from quads_megatron.kernels.fragment_layout import to_fragment_order, to_fragment_scale_order
     from quads_megatron.kernels.rac_columns import rac_weight_columns
     from quads_megatron.kernels.reference import dequantize_weight
 
@@ -145,7 +145,8 @@ def build_experts(args, gen: torch.Generator, dev) -> Experts:
     w2_fp8, w2_fp8_scale = fp8_rows(w2_bf16)
     return Experts(w13, w2, c13, c2, rac_weight_columns(w13[0], w13[1], c13), rac_weight_columns(w2[0], w2[1], c2),
                    w13_bf16, w2_bf16, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale,
-                   (to_fragment_order(w13[0]),) + w13[1:], (to_fragment_order(w2[0]),) + w2[1:])
+                   (to_fragment_order(w13[0]), to_fragment_scale_order(w13[1]), w13[2]),
+                   (to_fragment_order(w2[0]), to_fragment_scale_order(w2[1]), w2[2]))
 
 
 def random_routing(t: int, e: int, topk: int, gen: torch.Generator, dev) -> tuple:

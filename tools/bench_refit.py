@@ -258,7 +258,6 @@ def main():
     print("correctness: the layer stream and the one-read refit pass write the old paths' bytes, in place")
 
     B_IN, B_FQ, B_NV = 2.0, 2.0, 0.5625  # per parameter: read BF16, write BF16 fake-quant, write codes + scales
-    B_CODES = 0.5  # the packed codes alone (the kernel-layout conversion reads and writes them once)
     # key, what, work on a list of layers, bytes moved per parameter by design, floor bytes per parameter (the
     # result's own). The layer-stream rows run their layers as one stream (one host sync), as the engine's sync does.
     rows = [
@@ -274,8 +273,8 @@ def main():
          lambda ls: build_layers(ls, True, amax=True), B_IN + B_NV, B_IN + B_NV),
         ("refit", "(d) refresh + build + load in place from one read, the step's amax",
          lambda ls: build_layers(ls, True, refit=True), B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),
-        ("refit_kernel_layout", "(d2) (d) + the v3 kernel-layout conversion of the codes in place (settle_load)",
-         refit_kernel_layout, B_IN + B_FQ + B_NV + 2 * B_CODES, B_IN + B_FQ + B_NV),
+        ("refit_kernel_layout", "(d2) (d) + the v3 kernel-layout conversion of codes and scales in place (settle_load)",
+         refit_kernel_layout, B_IN + B_FQ + 3 * B_NV, B_IN + B_FQ + B_NV),  # NVFP4 bytes written, read + written
         ("step_old", "(e) a step's refit before: (a) + (c)", each(step_old), 4 * B_IN + B_FQ + B_NV,
          B_IN + B_FQ + B_NV),
         ("step_new", "(f) a step's refit now: (a1) + (d)", step_new, 2 * B_IN + B_FQ + B_NV, B_IN + B_FQ + B_NV),

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from quads_megatron.apps.study.timing import time_ms
     from quads_megatron.kernels import w4a4_linear
     from quads_megatron.kernels.act_quant import quantize_activation_rac
-    from quads_megatron.kernels.fragment_layout import to_fragment_order
+    from quads_megatron.kernels.fragment_layout import to_fragment_order, to_fragment_scale_order
     from quads_megatron.kernels.gemm import launch_gemm
     from quads_megatron.kernels.rac_columns import rac_weight_columns
 
@@ -65,7 +65,8 @@ def main(argv=None) -> int:
         q = [(t.data, t.scale, t.global_scale.reshape(()).float()) for t in (quantize(w.float()) for w in wb)]
         comp = torch.sort(torch.randperm(k, device=dev)[:args.rac_channels]).values.to(torch.int32)
         cols = [rac_weight_columns(d, s, comp) for d, s, _ in q]
-        qf = [to_fragment_order(d) for d, _, _ in q] if n % 64 == 0 and k % 128 == 0 else None
+        qf = ([(to_fragment_order(d), to_fragment_scale_order(s)) for d, s, _ in q]
+              if n % 64 == 0 and k % 128 == 0 else None)
         for m in args.m:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             it = iter(range(10 ** 9))
@@ -81,11 +82,10 @@ def main(argv=None) -> int:
 
                 ms[mode] = time_ms(ours, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            if qf is not None:  # the v3 kernel layout: w4a4_rac on fragment-order codes
+            if qf is not None:  # the v3 kernel layout: w4a4_rac on fragment-order codes and scales
                 def rac_v3():
                     i = next(it) % COPIES
-                    d, s, s2 = q[i]
-                    return w4a4_linear(x, qf[i], s, s2, act_mode="w4a4_rac", comp_index=comp, comp_weight=cols[i],
+                    return w4a4_linear(x, *qf[i], q[i][2], act_mode="w4a4_rac", comp_index=comp, comp_weight=cols[i],
                                        backend="triton", check_inputs=False, weight_layout="fragment")
 
                 ms["w4a4_rac v3"] = time_ms(rac_v3, device="cuda", iters=args.iters, mode="graph", reps=COPIES)

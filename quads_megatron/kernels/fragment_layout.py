@@ -98,6 +98,60 @@ def from_fragment_order(frag: torch.Tensor, out: Optional[torch.Tensor] = None,
     return _convert(frag, out, True, _from_fragment_order_torch)
 
 
+SCALE_BLOCKS = COLS // 16  # E4M3 block scales of one atom row (16 columns each)
+
+
+def check_fragment_scale_shape(scales: torch.Tensor, name: str = "weight_scale") -> tuple:
+    """(N, K) of block scales [..., N, K//16] (one byte each: uint8 or float8_e4m3fn) that the layout can hold."""
+    if scales.element_size() != 1 or scales.ndim < 2:
+        raise ValueError(f"{name}: expected E4M3 block scales as one byte each [..., N, K//16], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    n, k = scales.shape[-2], scales.shape[-1] * 16
+    if n % ROWS or k % COLS:
+        raise ValueError(f"{name}: the fragment layout needs N a multiple of {ROWS} and K a multiple of "
+                         f"{COLS} (K/16 of {SCALE_BLOCKS}), got N = {n}, K/16 = {k // 16} (shape {tuple(scales.shape)})")
+    return n, k
+
+
+def to_fragment_scale_order(scales: torch.Tensor, out: Optional[torch.Tensor] = None,
+                            name: str = "weight_scale") -> torch.Tensor:
+    """ModelOpt block scales [..., N, K//16] -> the same bytes as the fragment GEMM reads them (same shape
+    and dtype): per 64-row strip and 128-column step, the 64 rows' 8 scales in the atom's row order
+    [h 2][q 4][g 8] (row 16q + 8h + g), steps [N/64][K/128] like the codes' atoms, so one warp's load of
+    its 8 rows is 64 contiguous bytes instead of 8 rows apart. A new tensor, or written into `out` (which
+    may be `scales`)."""
+    return _permute_scales(scales, out, name, inverse=False)
+
+
+def from_fragment_scale_order(frag: torch.Tensor, out: Optional[torch.Tensor] = None,
+                              name: str = "fragment-order weight_scale") -> torch.Tensor:
+    """The exact inverse of `to_fragment_scale_order`."""
+    return _permute_scales(frag, out, name, inverse=True)
+
+
+def _permute_scales(x: torch.Tensor, out: Optional[torch.Tensor], name: str, inverse: bool) -> torch.Tensor:
+    """The scale permutation as one torch permute + copy (scales are 1/8 of the codes' bytes)."""
+    n, k = check_fragment_scale_shape(x, name)
+    if out is not None and (out.shape != x.shape or out.element_size() != 1 or out.device != x.device):
+        raise ValueError(f"{name}: out must be one byte per scale {tuple(x.shape)} on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    lead = x.shape[:-2]
+    d = len(lead)
+    modelopt = (*lead, n // ROWS, 4, 2, 8, k // COLS, SCALE_BLOCKS)   # lead, R, q, h, g, S, blocks
+    frag = (*lead, n // ROWS, k // COLS, 2, 4, 8, SCALE_BLOCKS)      # lead, R, S, h, q, g, blocks
+    b = x.view(torch.uint8) if x.dtype != torch.uint8 else x
+    if inverse:   # lead, R, S, h, q, g, blocks -> lead, R, q, h, g, S, blocks
+        y = b.reshape(frag).permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 5)
+    else:         # lead, R, q, h, g, S, blocks -> lead, R, S, h, q, g, blocks
+        y = b.reshape(modelopt).permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
+    y = y.reshape(x.shape)
+    if out is None:
+        return y.contiguous().view(x.dtype)
+    ob = out.view(torch.uint8) if out.dtype != torch.uint8 else out
+    ob.copy_(y.contiguous() if out.data_ptr() == x.data_ptr() else y)   # in place: read all first
+    return out
+
+
 def _to_fragment_order_torch(codes: torch.Tensor) -> torch.Tensor:
     """The layout's definition in plain torch (any device; several passes over the bytes)."""
     n, k = codes.shape[-2], codes.shape[-1] * 2

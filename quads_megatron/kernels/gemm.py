@@ -172,7 +172,7 @@ def decode_fragments(words, sc, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, stride_we,
-                        stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
+                        stride_wse, pid_n, N, K, k_start, k_end,
                         SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The main loop over fragment-order codes: per 128-wide step, one [BLOCK_N/64] x 1024-word
@@ -192,9 +192,9 @@ def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, 
     step0 = k_start // 128
     w_ptrs = w32_ptr + expert * (stride_we // 4) + (atom * (K // 128) + step0) * 1024 \
         + hh * 512 + qq * 128 + gg * 16 + tt * 4 + ww
-    rows = atom * 64 + qq * 16 + hh * 8 + gg
-    s_ptrs = ws_ptr + expert * (stride_wse // 2) + rows.to(tl.int64) * (stride_wsn // 2) \
-        + step0 * 4 + ww
+    # the scales in `fragment_layout.to_fragment_scale_order`'s order: a warp's 8 rows are 64 contiguous bytes
+    s_ptrs = ws_ptr + expert * (stride_wse // 2) + (atom * (K // 128) + step0) * 256 \
+        + hh * 128 + qq * 32 + gg * 4 + ww
     # the activation is stored in the same K order (`fragment_layout.fragment_columns`)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_start + tl.arange(0, 128)[None, :]
     for _ in range(k_start, k_end, 128):
@@ -202,7 +202,7 @@ def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, 
         sc = tl.load(s_ptrs)
         a = tl.load(a_ptrs)
         w_ptrs += 1024
-        s_ptrs += 4
+        s_ptrs += 256
         a_ptrs += 128
         wt = decode_fragments(words, sc, BLOCK_N, ASM)
         acc = _mma(acc, a, wt, SWAP_AB, DOT_F32)
@@ -300,7 +300,7 @@ def _w4a4_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FRAG:
         acc = _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert,
-                                  stride_we, stride_wse, stride_wsn, pid_n, N, K, k_start, k_end,
+                                  stride_we, stride_wse, pid_n, N, K, k_start, k_end,
                                   SWAP_AB, DOT_F32, FRAG_ASM, BLOCK_M, BLOCK_N)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -501,7 +501,8 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
     expert_ids, num_post) for the grouped form; RAC: r = (values [Ma, k], s_dec [Ma]) of the
     residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`);
-    fragment_layout: w is in `fragment_layout.to_fragment_order`'s byte order (the v3 main loop)."""
+    fragment_layout: w and w_scale are in `fragment_layout.to_fragment_order`'s and
+    `to_fragment_scale_order`'s byte orders (the v3 main loop)."""
     e, n, k2 = w.shape
     k = k2 * 2
     if a.stride(-1) != 1:
@@ -517,9 +518,9 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         if config.block_k != 128 or config.block_n % 64 or config.block_m % 16:
             raise ValueError(f"config: fragment-order weights need block_k 128, block_n a multiple "
                              f"of 64 and block_m of 16, got {config}")
-        if w_scale.stride(-1) != 1 or w_scale.stride(-2) % 2 or w_scale.stride(0) % 2:
-            raise ValueError(f"weight_scale: expected row-major E4M3 scales [E, N, K//16], got "
-                             f"stride {w_scale.stride()}")
+        if w_scale.stride(-1) != 1 or w_scale.stride(-2) != k // 16 or w_scale.stride(0) % 2:
+            raise ValueError(f"weight_scale: expected fragment-order E4M3 scales [E, N, K//16], each expert's "
+                             f"contiguous, got shape {tuple(w_scale.shape)} stride {w_scale.stride()}")
     if config is None and routing is None:
         config = dense_config(m, n, k, device_sms(a.device))
     elif config is None:

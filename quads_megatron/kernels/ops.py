@@ -33,7 +33,7 @@ from ._checks import (check_act_mode, check_activation, check_comp, check_comp_w
                       check_moe_inputs, check_packed_weight)
 from .act_quant import quantize_activation_rac
 from .combine import topk_sum
-from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order
+from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order, from_fragment_scale_order
 from .gemm import default_config, device_sms, fragment_config, grouped_split_k, launch_gemm
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
@@ -41,13 +41,14 @@ from .silu_mul import silu_and_mul
 
 __all__ = ["w4a4_linear", "w4a4_fused_moe", "moe_configs", "WEIGHT_LAYOUTS"]
 
-# "modelopt": packed codes as in the checkpoint (the v2 main loop); "fragment": the codes in
-# `fragment_layout.to_fragment_order`'s byte order (the v3 main loop), scales unchanged
+# "modelopt": packed codes and block scales as in the checkpoint (the v2 main loop); "fragment": the codes
+# in `fragment_layout.to_fragment_order`'s byte order, the block scales in `to_fragment_scale_order`'s (v3)
 WEIGHT_LAYOUTS = ("modelopt", "fragment")
 
 
 def _check_layout(weight_layout: str, **weights) -> bool:
-    """True for fragment-order weights (their N / K multiples checked), False for ModelOpt's."""
+    """True for fragment-order weights (their N / K multiples checked on the codes; `check_packed_weight`
+    matched the scales' shape to them), False for ModelOpt's."""
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
     if weight_layout == "fragment":
@@ -64,9 +65,11 @@ def _k_order(k: int, device: torch.device) -> torch.Tensor:
 
 def _rac_columns(weight: torch.Tensor, weight_scale: torch.Tensor, comp: torch.Tensor,
                  frag: bool) -> torch.Tensor:
-    """RAC weight columns built per call (a loader builds them once): from the ModelOpt codes, so
-    fragment-order weights are read back first."""
-    return rac_weight_columns(from_fragment_order(weight) if frag else weight, weight_scale, comp)
+    """RAC weight columns built per call (a loader builds them once): from the ModelOpt codes and scales,
+    so fragment-order weights are read back first."""
+    if frag:
+        weight, weight_scale = from_fragment_order(weight), from_fragment_scale_order(weight_scale)
+    return rac_weight_columns(weight, weight_scale, comp)
 
 
 def _same_device(x: torch.Tensor, **tensors) -> None:
@@ -100,7 +103,7 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     frag = _check_layout(weight_layout, weight=weight)
     if resolve_backend(x.device, backend) == "torch":
         if frag:
-            weight = from_fragment_order(weight)
+            weight, weight_scale = from_fragment_order(weight), from_fragment_scale_order(weight_scale)
         return reference.w4a4_linear(x, weight, weight_scale, weight_scale_2, act_mode=act_mode,
                                      comp_index=comp_index, input_scale=input_scale, bias=bias,
                                      check_inputs=False)
@@ -163,8 +166,8 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     w2_comp_weight fp16 [E, H, k]: rac_weight_columns of w13 / w2 at their channels (w4a4_rac;
     built per call when None); configs: (fc1, fc2) `GemmConfig`s instead of `default_config`'s /
     `fragment_config`'s (as SGLang's override_config; fc2 runs with fc1's block_m, the routing's block);
-    weight_layout: "modelopt" or "fragment" (w13 and w2 in `fragment_layout`'s order, the v3 main
-    loop; the reference backend and per-call RAC columns convert them back); align_block_size:
+    weight_layout: "modelopt" or "fragment" (w13 and w2 and their block scales in `fragment_layout`'s
+    orders, the v3 main loop; the reference backend and per-call RAC columns convert them back); align_block_size:
     (topk_ids, block_m, num_experts) -> (sorted_ids, expert_ids, num_tokens_post_padded) in
     SGLang's `moe_align_block_size` contract (pad id = topk_ids.numel(), blocks past the total
     unread), e.g. SGLang's own CUDA op inside its server; default `routing.moe_align_block_size`.
@@ -182,6 +185,7 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if resolve_backend(x.device, backend) == "torch":
         if frag:
             w13, w2 = from_fragment_order(w13), from_fragment_order(w2)
+            w13_scale, w2_scale = from_fragment_scale_order(w13_scale), from_fragment_scale_order(w2_scale)
         return reference.w4a4_fused_moe(
             x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
             act_mode=act_mode, w13_comp_index=w13_comp_index, w2_comp_index=w2_comp_index,

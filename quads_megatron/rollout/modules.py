@@ -7,7 +7,7 @@ so the modules keep their identity across weight updates.  Where the shapes fit
 (``plan.kernel_layout.kernel_layout_fits``) a module holds its packed codes in the v3 kernels'
 byte order: each load writes ModelOpt bytes, ``settle_load`` converts exactly what was written
 (same storage), and everything that reads weights (calibration, RAC columns, checks) goes
-through ``modelopt_codes``.  While a ``plan.calibration.Calibrator``
+through ``modelopt_codes`` / ``modelopt_scales``.  While a ``plan.calibration.Calibrator``
 is attached (``RolloutModel.calibrate``) they run the calibration forward instead: dequantized
 weights, fp32, unquantized activations, each group's input rows handed to the calibrator.
 """
@@ -22,7 +22,8 @@ from torch import nn
 from quads_megatron import nvfp4
 from quads_megatron.plan import QuantPlan
 from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, PendingRows, from_kernel_layout,
-                                               kernel_layout_fits, to_kernel_layout)
+                                               kernel_layout_fits, scales_from_kernel_layout,
+                                               scales_to_kernel_layout, to_kernel_layout)
 from quads_megatron.plan.layout import (ATTN_QKV, ATTN_O, EXPERT_FC1, EXPERT_FC2, WEIGHT, WEIGHT_SCALE,
                                         WEIGHT_SCALE_2, block_scale_cols, experts_group_names, nvfp4_weight_specs,
                                         packed_cols)
@@ -186,7 +187,9 @@ class NVFP4Experts(_QuantExperts):
         super().__init__(num_experts, hidden, ffn, precision)
         E, H, F = num_experts, hidden, ffn
         self.weight_layout = _weight_layout(kernel_layout, (2 * F, H), (H, F))
-        self._pending = {"w13": PendingRows(), "w2": PendingRows()}  # rows written since the last settle_load
+        # rows written since the last settle_load, per buffer (codes and block scales)
+        self._pending = {"w13": PendingRows(), "w2": PendingRows(),
+                         "w13_scale": PendingRows(scales=True), "w2_scale": PendingRows(scales=True)}
         for which, (n, k) in (("w13", (2 * F, H)), ("w2", (H, F))):  # gate rows, then up; one scale_2 per expert
             specs = nvfp4_weight_specs(n, k, lead=(E,))
             for key, suffix in ((WEIGHT, ""), (WEIGHT_SCALE, "_scale"), (WEIGHT_SCALE_2, "_scale_2")):
@@ -240,13 +243,20 @@ class NVFP4Experts(_QuantExperts):
     def _mark(self, which: str, experts, row0: int = 0, row1: int | None = None) -> None:
         """Record rows just written in ModelOpt order (``settle_load`` converts them once)."""
         if self.weight_layout != "modelopt":
-            self._pending[which].mark(experts, row0, getattr(self, which).shape[1] if row1 is None else row1)
+            for buf in (which, f"{which}_scale"):
+                self._pending[buf].mark(experts, row0, getattr(self, which).shape[1] if row1 is None else row1)
 
     def modelopt_codes(self, which: str) -> torch.Tensor:
         """'w13' / 'w2' packed codes in ModelOpt order (the buffer itself in the v2 layout, else as
-        ``PendingRows.modelopt_codes`` reads them): what checks, RAC columns, calibration and re-sends read."""
+        ``PendingRows.modelopt`` reads them): what checks, RAC columns, calibration and re-sends read."""
         buf = getattr(self, which)
-        return buf if self.weight_layout == "modelopt" else self._pending[which].modelopt_codes(buf, which)
+        return buf if self.weight_layout == "modelopt" else self._pending[which].modelopt(buf, which)
+
+    def modelopt_scales(self, which: str) -> torch.Tensor:
+        """'w13' / 'w2' block scales in ModelOpt order, as `modelopt_codes` reads the codes."""
+        name = f"{which}_scale"
+        buf = getattr(self, name)
+        return buf if self.weight_layout == "modelopt" else self._pending[name].modelopt(buf, name)
 
     @torch.no_grad()
     def settle_load(self) -> bool:
@@ -254,12 +264,12 @@ class NVFP4Experts(_QuantExperts):
         this load wrote into the kernel layout (same storage: captured graphs stay valid). True when a RAC
         column tensor had to be rebound."""
         rebound = self.refresh_rac_columns()
-        for which in ("w13", "w2"):
-            self._pending[which].settle(getattr(self, which), which)
+        for name, pending in self._pending.items():
+            pending.settle(getattr(self, name), name)
         return rebound
 
     def dequantized(self, which: str) -> torch.Tensor:
-        return _dequantize(self.modelopt_codes(which), getattr(self, f"{which}_scale"),
+        return _dequantize(self.modelopt_codes(which), self.modelopt_scales(which),
                            getattr(self, f"{which}_scale_2"))
 
     def refresh_rac_columns(self) -> bool:
@@ -271,9 +281,9 @@ class NVFP4Experts(_QuantExperts):
             return False
         from quads_megatron.kernels.rac_columns import rac_weight_columns
 
-        a = _store(self, "w13_comp_weight", rac_weight_columns(self.modelopt_codes("w13"), self.w13_scale,
-                                                                self.w13_comp_index))
-        return _store(self, "w2_comp_weight", rac_weight_columns(self.modelopt_codes("w2"), self.w2_scale,
+        a = _store(self, "w13_comp_weight", rac_weight_columns(self.modelopt_codes("w13"),
+                                                                self.modelopt_scales("w13"), self.w13_comp_index))
+        return _store(self, "w2_comp_weight", rac_weight_columns(self.modelopt_codes("w2"), self.modelopt_scales("w2"),
                                                                  self.w2_comp_index)) or a
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -311,17 +321,22 @@ class NVFP4Linear(nn.Module):
             getattr(self, name).copy_(t.reshape(getattr(self, name).shape))
         if self.weight_layout != "modelopt":  # one write per load, complete: convert it now, in place
             to_kernel_layout(self.weight, out=self.weight, name="weight")
+            scales_to_kernel_layout(self.weight_scale, out=self.weight_scale, name="weight_scale")
 
     def modelopt_codes(self) -> torch.Tensor:
         """The packed codes in ModelOpt order (the buffer itself in the v2 layout, else a copy)."""
         return self.weight if self.weight_layout == "modelopt" else from_kernel_layout(self.weight)
+
+    def modelopt_scales(self) -> torch.Tensor:
+        """The block scales in ModelOpt order (the buffer itself in the v2 layout, else a copy)."""
+        return self.weight_scale if self.weight_layout == "modelopt" else scales_from_kernel_layout(self.weight_scale)
 
     def settle_load(self) -> bool:
         """After a load: the RAC columns (the codes were converted as they were written)."""
         return self.refresh_rac_columns()
 
     def dequantized(self) -> torch.Tensor:
-        return _dequantize(self.modelopt_codes(), self.weight_scale, self.weight_scale_2)
+        return _dequantize(self.modelopt_codes(), self.modelopt_scales(), self.weight_scale_2)
 
     def forward(self, x):
         if self.calibrator is not None:
@@ -339,7 +354,7 @@ class NVFP4Linear(nn.Module):
             return False
         from quads_megatron.kernels.rac_columns import rac_weight_columns
 
-        return _store(self, "comp_weight", rac_weight_columns(self.modelopt_codes(), self.weight_scale,
+        return _store(self, "comp_weight", rac_weight_columns(self.modelopt_codes(), self.modelopt_scales(),
                                                               self.comp_index))
 
 

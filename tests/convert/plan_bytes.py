@@ -62,19 +62,20 @@ def _engine_tensors(hf_dir, plan, stream):
     engine = LocalEngine(AutoConfig.from_pretrained(str(hf_dir)), plan, device="cpu", dtype=torch.float32)
     engine.update_weights(stream)
     out, F = {}, plan.dims.moe_ffn
-    for prefix, m in engine.nvfp4_modules.items():  # codes read back in ModelOpt order (the kernel layout's inverse)
+    for prefix, m in engine.nvfp4_modules.items():  # codes and scales read back in ModelOpt order (the kernel layout's inverse)
         if hasattr(m, "w13"):
             w13, w2 = m.modelopt_codes("w13"), m.modelopt_codes("w2")
+            s13, s2 = m.modelopt_scales("w13"), m.modelopt_scales("w2")
             for e in range(m.num_experts):
                 for proj, rows in (("gate_proj", slice(0, F)), ("up_proj", slice(F, 2 * F))):
                     base = f"{prefix}.{e}.{proj}"
-                    out.update({f"{base}.weight": w13[e, rows], f"{base}.weight_scale": m.w13_scale[e, rows],
+                    out.update({f"{base}.weight": w13[e, rows], f"{base}.weight_scale": s13[e, rows],
                                 f"{base}.weight_scale_2": m.w13_scale_2[e]})
                 base = f"{prefix}.{e}.down_proj"
-                out.update({f"{base}.weight": w2[e], f"{base}.weight_scale": m.w2_scale[e],
+                out.update({f"{base}.weight": w2[e], f"{base}.weight_scale": s2[e],
                             f"{base}.weight_scale_2": m.w2_scale_2[e]})
         else:
-            out.update({f"{prefix}.weight": m.modelopt_codes(), f"{prefix}.weight_scale": m.weight_scale,
+            out.update({f"{prefix}.weight": m.modelopt_codes(), f"{prefix}.weight_scale": m.modelopt_scales(),
                         f"{prefix}.weight_scale_2": m.weight_scale_2})
     return out
 

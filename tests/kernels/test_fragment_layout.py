@@ -13,8 +13,8 @@ import triton.language as tl
 
 from quads_megatron.kernels import reference, w4a4_fused_moe, w4a4_linear
 from quads_megatron.kernels.act_quant import quantize_activation_rac
-from quads_megatron.kernels.fragment_layout import (fragment_columns, from_fragment_order,
-                                                    to_fragment_order)
+from quads_megatron.kernels.fragment_layout import (fragment_columns, from_fragment_order, from_fragment_scale_order,
+                                                    to_fragment_order, to_fragment_scale_order)
 from quads_megatron.kernels.gemm import GemmConfig, decode_fragments, fragment_config, interpreting, launch_gemm
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 from quads_megatron.nvfp4.core import dequantize_reference
@@ -97,6 +97,30 @@ def test_layout_errors_name_the_tensor():
                     act_mode="w4a16", weight_layout="marlin", backend="torch")
 
 
+def test_scale_order_round_trip_and_hand_placed_bytes():
+    """Block scales: same shape and dtype, exact round trip (uint8 and float8_e4m3fn, in place too), and
+    scales put at (row, block) found at the byte derived by hand: strip row // 64, step block // 8,
+    offset (strip * K/128 + step) * 512 + 256 h + 64 q + 8 g + block % 8 with row % 64 = 16q + 8h + g."""
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randint(0, 256, (2, 128, 32), dtype=torch.uint8, generator=gen)  # N = 128, K = 512
+    f = to_fragment_scale_order(s)
+    assert f.shape == s.shape and f.dtype == s.dtype and not torch.equal(f, s)
+    assert torch.equal(from_fragment_scale_order(f), s)
+    # row 9 = q0 h1 g1 of strip 0, block 3 of step 0 -> 256 + 8 + 3
+    # row 114 = strip 1, row 50 = q3 h0 g2, block 17 = step 2, block 1 -> (1 * 4 + 2) * 512 + 192 + 16 + 1
+    for (row, blk), off in (((9, 3), 267), ((114, 17), 3281)):
+        assert f[1].reshape(-1)[off] == s[1, row, blk]
+    e4 = s.view(torch.float8_e4m3fn).clone()
+    assert to_fragment_scale_order(e4, out=e4) is e4 and e4.dtype == torch.float8_e4m3fn
+    assert torch.equal(e4.view(torch.uint8), f)
+    with pytest.raises(ValueError, match="w2_scale: the fragment layout needs N a multiple of 64"):
+        to_fragment_scale_order(torch.zeros(48, 8, dtype=torch.uint8), name="w2_scale")
+    with pytest.raises(ValueError, match="K/16 of 8"):
+        to_fragment_scale_order(torch.zeros(64, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one byte each"):
+        to_fragment_scale_order(torch.zeros(64, 8, dtype=torch.float32))
+
+
 def test_act_quant_fragment_order_permutes_the_values_only():
     if not interpreting() and not CUDA:
         pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
@@ -119,7 +143,7 @@ def _fragment_probe(w_ptr, s_ptr, out_ptr, ASM: tl.constexpr):
     ww = tl.arange(0, 4)[None, :]
     tt, gg, qq, hh = slot % 4, (slot // 4) % 8, (slot // 32) % 4, slot // 128
     words = tl.load(w_ptr + hh * 512 + qq * 128 + gg * 16 + tt * 4 + ww)
-    sc = tl.load(s_ptr + (qq * 16 + hh * 8 + gg) * 4 + ww)
+    sc = tl.load(s_ptr + hh * 128 + qq * 32 + gg * 4 + ww)   # `to_fragment_scale_order`: [h][q][g][4 pairs]
     tile = decode_fragments(words, sc, 64, ASM)
     tl.store(out_ptr + tl.arange(0, 64)[:, None] * 128 + tl.arange(0, 128)[None, :], tile)
 
@@ -137,7 +161,7 @@ def _check_decode_exhaustive(device, asm):
     want = (want * 2.0 ** -6).to(torch.float16)[:, fragment_columns(128)]
     out = torch.empty(64, 128, dtype=torch.float16, device=device)
     _fragment_probe[(1,)](to_fragment_order(w).to(device).view(torch.int32),
-                          s.to(device).view(torch.uint16), out, ASM=asm)
+                          to_fragment_scale_order(s).to(device).view(torch.uint16), out, ASM=asm)
     got = out.cpu()
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
@@ -155,7 +179,7 @@ def test_fragment_decode_exhaustive_gpu():
 
 # ---- GEMMs -------------------------------------------------------------------------------
 def _frag(w):
-    return (to_fragment_order(w[0]),) + tuple(w[1:])
+    return to_fragment_order(w[0]), to_fragment_scale_order(w[1]), w[2]
 
 
 def _check_moe(device, mode, dtype, t, h, f, e, topk, prebuilt, configs=None, full=False):
@@ -221,7 +245,7 @@ def test_fragment_split_k_cpu():
     w = packed((64, 512), "cpu", gen=gen)
     qa = quantize_activation_rac(x, None, fragment_order=True)
     out = torch.empty(3, 64)
-    launch_gemm(qa.values, qa.s_dec, to_fragment_order(w[0]).unsqueeze(0), w[1].unsqueeze(0),
+    launch_gemm(qa.values, qa.s_dec, to_fragment_order(w[0]).unsqueeze(0), to_fragment_scale_order(w[1]).unsqueeze(0),
                 w[2].reshape(1), out, m=3, config=GemmConfig(16, 64, 128, 4, 1, 8, True, 2),
                 fragment_layout=True)
     assert rel(out, reference.w4a4_linear(x, *w, act_mode="w4a4")) < 2e-6

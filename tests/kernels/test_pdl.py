@@ -8,7 +8,7 @@ import torch
 
 from quads_megatron.apps.study.timing import capture_graph
 from quads_megatron.kernels import pdl, w4a4_fused_moe
-from quads_megatron.kernels.fragment_layout import to_fragment_order
+from quads_megatron.kernels.fragment_layout import to_fragment_order, to_fragment_scale_order
 from quads_megatron.kernels.rac_columns import rac_weight_columns
 
 from tests.kernels.test_w4a4_kernels import activations, comp, random_packed
@@ -41,7 +41,8 @@ def test_pdl_chain_in_a_graph_equals_plain_launches_gpu(tokens):
     g = torch.Generator(device="cuda").manual_seed(tokens)
     w13, w2 = random_packed(e, 2 * f, h, "cuda", g), random_packed(e, h, f, "cuda", g)
     c13, c2 = comp(h, 64, gen).cuda(), comp(f, 64, gen, e).cuda()
-    weights = (to_fragment_order(w13[0]), *w13[1:], to_fragment_order(w2[0]), *w2[1:])
+    weights = (to_fragment_order(w13[0]), to_fragment_scale_order(w13[1]), w13[2],
+               to_fragment_order(w2[0]), to_fragment_scale_order(w2[1]), w2[2])
     kw = dict(act_mode="w4a4_rac", w13_comp_index=c13, w2_comp_index=c2, backend="triton",
               check_inputs=False, weight_layout="fragment",
               w13_comp_weight=rac_weight_columns(w13[0], w13[1], c13),

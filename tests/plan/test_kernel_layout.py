@@ -1,4 +1,4 @@
-"""plan.kernel_layout: the one load-time conversion of rollout NVFP4 codes to the kernels' byte order."""
+"""plan.kernel_layout: the one load-time conversion of rollout NVFP4 codes and block scales to the kernels' byte order."""
 
 import pytest
 import torch
@@ -6,8 +6,9 @@ import torch
 from quads_megatron.kernels import reference, w4a4_fused_moe
 from quads_megatron.kernels.ops import WEIGHT_LAYOUTS
 from quads_megatron.nvfp4 import quantize
-from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout,
-                                               kernel_layout_fits, rows_to_kernel_layout, to_kernel_layout)
+from quads_megatron.plan.kernel_layout import (KERNEL_WEIGHT_LAYOUT, from_kernel_layout, kernel_layout_fits,
+                                               rows_to_kernel_layout, scales_from_kernel_layout,
+                                               scales_to_kernel_layout, to_kernel_layout)
 
 
 def _codes(*shape, seed=0):
@@ -84,7 +85,8 @@ def test_the_ops_read_converted_weights():
     tw, ti = torch.topk(torch.randn(t, e, generator=gen).softmax(-1), 1)
     ref = reference.w4a4_fused_moe(x, w13[0], w13[1], g13, w2[0], w2[1], g2, tw, ti.int(),
                                    act_mode="w4a16")
-    out = w4a4_fused_moe(x, to_kernel_layout(w13[0]), w13[1], g13, to_kernel_layout(w2[0]), w2[1],
+    out = w4a4_fused_moe(x, to_kernel_layout(w13[0]), scales_to_kernel_layout(w13[1]), g13,
+                         to_kernel_layout(w2[0]), scales_to_kernel_layout(w2[1]),
                          g2, tw, ti.int(), act_mode="w4a16", backend="torch",
                          weight_layout=KERNEL_WEIGHT_LAYOUT)
     assert torch.equal(out, ref)
@@ -100,7 +102,7 @@ def test_pending_rows_convert_what_was_written_once():
     buf, pending = old.clone(), PendingRows()
     pending.mark(range(3), 0, 64)
     pending.mark(range(3), 64, 128)              # two halves make the whole buffer
-    assert pending.covers(buf) and pending.modelopt_codes(buf) is buf
+    assert pending.covers(buf) and pending.modelopt(buf) is buf
     pending.settle(buf)
     assert torch.equal(from_kernel_layout(buf), old) and not pending.spans
     buf[1, 64:128] = new[1, 64:128]              # a partial reload: expert 1's second tile, written twice
@@ -109,7 +111,7 @@ def test_pending_rows_convert_what_was_written_once():
     assert not pending.covers(buf)
     want = old.clone()
     want[1, 64:128] = new[1, 64:128]
-    assert torch.equal(pending.modelopt_codes(buf), want)   # settled first, then read back
+    assert torch.equal(pending.modelopt(buf), want)   # settled first, then read back
     assert torch.equal(from_kernel_layout(buf), want) and not pending.spans
     pending.settle(buf)                          # nothing pending: no second conversion
     assert torch.equal(from_kernel_layout(buf), want)
@@ -117,3 +119,25 @@ def test_pending_rows_convert_what_was_written_once():
     pending.mark([0], 0, 128)
     pending.settle(flat)
     assert torch.equal(flat, to_kernel_layout(old[0]))
+
+
+def test_pending_scale_rows_convert_as_the_scale_layout():
+    """PendingRows(scales=True) settles and reads back block scales [E, N, K/16] (float8_e4m3fn, as SGLang
+    holds them) with the scales' permutation: a partial write converts its 64-row tiles alone."""
+    from quads_megatron.plan.kernel_layout import PendingRows
+
+    old, new = _codes(2, 128, 16, seed=4), _codes(2, 128, 16, seed=5)
+    buf, pending = old.clone().view(torch.float8_e4m3fn), PendingRows(scales=True)
+    pending.mark(range(2), 0, 128)
+    pending.settle(buf)
+    assert torch.equal(buf.view(torch.uint8), scales_to_kernel_layout(old))
+    buf.view(torch.uint8)[1, 0:64] = new[1, 0:64]   # expert 1's first tile rewritten in ModelOpt order
+    pending.mark([1], 0, 64)
+    want = old.clone()
+    want[1, 0:64] = new[1, 0:64]
+    assert torch.equal(pending.modelopt(buf).view(torch.uint8), want)
+    assert torch.equal(scales_from_kernel_layout(buf).view(torch.uint8), want)
+    part = old.clone()                              # rows_to_kernel_layout: one tile of one expert alone
+    rows_to_kernel_layout(part, {0: range(64, 128)}, name="w2_weight_scale", scales=True)
+    assert torch.equal(part[0, 64:128], scales_to_kernel_layout(old[0, 64:128]))
+    assert torch.equal(part[0, :64], old[0, :64]) and torch.equal(part[1], old[1])

@@ -77,7 +77,7 @@ def test_dummy_moe_layer(dummy_format, monkeypatch, mode, scaling):
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    from sglang_ext.moe_method import modelopt_codes
+    from sglang_ext.moe_method import modelopt_bytes
 
     monkeypatch.setenv("QUADS_BACKEND", "triton")  # the Triton kernels (interpreter) against the reference
     layer = FusedMoE(num_experts=E, hidden_size=H, intermediate_size=F, layer_id=3, top_k=TOPK,
@@ -85,10 +85,11 @@ def test_dummy_moe_layer(dummy_format, monkeypatch, mode, scaling):
                      prefix="model.layers.3.mlp.experts")
     assert layer.quads_weight_layout == "fragment"
     _dummy_load(layer)
-    w13, w2 = modelopt_codes(layer, "w13_weight").clone(), modelopt_codes(layer, "w2_weight").clone()
+    w13, w2 = modelopt_bytes(layer, "w13_weight").clone(), modelopt_bytes(layer, "w2_weight").clone()
+    s13, s2 = modelopt_bytes(layer, "w13_weight_scale").clone(), modelopt_bytes(layer, "w2_weight_scale").clone()
     for e in range(E):
-        _assert_dummy_range(_weights(w13[e], layer.w13_weight_scale[e], layer.w13_weight_scale_2[e, 0]), f"w13[{e}]")
-        _assert_dummy_range(_weights(w2[e], layer.w2_weight_scale[e], layer.w2_weight_scale_2[e]), f"w2[{e}]")
+        _assert_dummy_range(_weights(w13[e], s13[e], layer.w13_weight_scale_2[e, 0]), f"w13[{e}]")
+        _assert_dummy_range(_weights(w2[e], s2[e], layer.w2_weight_scale_2[e]), f"w2[{e}]")
     assert bool((layer.w13_weight_scale_2[:, 0] == layer.w13_weight_scale_2[:, 1]).all())
     if mode == "w4a4_rac":
         _assert_channel_set(layer.w13_comp_index, H, "w13_comp_index")
@@ -102,7 +103,7 @@ def test_dummy_moe_layer(dummy_format, monkeypatch, mode, scaling):
     y = layer(x, StandardTopKOutput(w, ids.to(torch.int32), None))
     rac, static = mode == "w4a4_rac", scaling == "static"
     want = reference.w4a4_fused_moe(
-        x, w13, layer.w13_weight_scale, layer.w13_weight_scale_2[:, 0], w2, layer.w2_weight_scale,
+        x, w13, s13, layer.w13_weight_scale_2[:, 0], w2, s2,
         layer.w2_weight_scale_2, w, ids, act_mode=mode, w13_comp_index=layer.w13_comp_index if rac else None,
         w2_comp_index=layer.w2_input_comp_index if rac else None,
         w13_input_scale=layer.w13_input_scale.max() if static else None,
@@ -115,27 +116,27 @@ def test_dummy_moe_layer(dummy_format, monkeypatch, mode, scaling):
     ckpt = moe_checkpoint(E, H, F, RAC_K, seed=8)
     load_experts(layer, ckpt, E)
     layer.quant_method.process_weights_after_loading(layer)
-    got = modelopt_codes(layer, "w2_weight")
+    got = modelopt_bytes(layer, "w2_weight")
     assert torch.equal(got[1], ckpt["experts.1.down_proj.weight"])
 
 
 def test_dummy_linear_merged_shards_run_as_one_gemm(dummy_format, monkeypatch):
     from sglang.srt.layers.linear import MergedColumnParallelLinear
 
-    from sglang_ext.linear_method import modelopt_codes
+    from sglang_ext.linear_method import modelopt_bytes
 
     monkeypatch.setenv("QUADS_BACKEND", "triton")
     layer = MergedColumnParallelLinear(H, [64, 64], bias=False, params_dtype=torch.bfloat16,
                                        quant_config=_config("w4a4_rac"), prefix="model.layers.0.mlp.gate_up_proj")
     _dummy_load(layer)
     assert layer.quads_shard_rows is None  # one global scale and one RAC set for both shards: one GEMM
-    codes = modelopt_codes(layer).clone()
-    _assert_dummy_range(_weights(codes, layer.weight_scale, layer.weight_scale_2[0]), "weight")
+    codes, scales = modelopt_bytes(layer).clone(), modelopt_bytes(layer, "weight_scale").clone()
+    _assert_dummy_range(_weights(codes, scales, layer.weight_scale_2[0]), "weight")
     comp = layer.input_comp_index.view(2, RAC_K)
     _assert_channel_set(comp, H, "input_comp_index")
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     y = layer(x)[0]
-    want = torch.cat([reference.w4a4_linear(x, codes[r], layer.weight_scale[r], layer.weight_scale_2[i],
+    want = torch.cat([reference.w4a4_linear(x, codes[r], scales[r], layer.weight_scale_2[i],
                                             act_mode="w4a4_rac", comp_index=comp[i])
                       for i, r in enumerate((slice(0, 64), slice(64, 128)))], dim=-1)
     assert bool(torch.isfinite(y).all())

@@ -14,7 +14,7 @@ import torch
 from sglang_fixtures import load_experts, moe_checkpoint
 from quads_megatron.kernels import w4a4_fused_moe
 from quads_megatron.kernels.rac_columns import rac_weight_columns
-from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, to_kernel_layout
+from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, scales_to_kernel_layout, to_kernel_layout
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
@@ -46,8 +46,9 @@ def _stack(ckpt, key, projs):
 
 
 def _modelopt_tensors(ckpt):
-    """(w13, w2) codes, and the v2 op's keyword tensors, straight from the checkpoint dict."""
-    return _stack(ckpt, "weight", GU), _stack(ckpt, "weight", ["down_proj"])
+    """(w13, w2) codes and (w13, w2) block scales, straight from the checkpoint dict."""
+    return (_stack(ckpt, "weight", GU), _stack(ckpt, "weight", ["down_proj"]),
+            _stack(ckpt, "weight_scale", GU), _stack(ckpt, "weight_scale", ["down_proj"]))
 
 
 def _v2(x, topk, ckpt, cfg):
@@ -55,8 +56,7 @@ def _v2(x, topk, ckpt, cfg):
     s = cfg.rollout
     c13 = ckpt["experts.0.gate_proj.input_comp_index"]
     c2 = torch.stack([ckpt[f"experts.{e}.down_proj.input_comp_index"] for e in range(E)])
-    w13, w2 = _modelopt_tensors(ckpt)
-    s13, s2 = _stack(ckpt, "weight_scale", GU), _stack(ckpt, "weight_scale", ["down_proj"])
+    w13, w2, s13, s2 = _modelopt_tensors(ckpt)
     return w4a4_fused_moe(
         x, w13, s13, torch.stack([ckpt[f"experts.{e}.gate_proj.weight_scale_2"] for e in range(E)]),
         w2, s2, torch.stack([ckpt[f"experts.{e}.down_proj.weight_scale_2"] for e in range(E)]),
@@ -67,15 +67,17 @@ def _v2(x, topk, ckpt, cfg):
         weight_layout="modelopt")
 
 
-def _check_codes(layer, w13, w2):
-    """The layer holds one conversion of (w13, w2) and reads them back as they were loaded."""
-    from sglang_ext.moe_method import modelopt_codes
+def _check_codes(layer, w13, w2, s13, s2):
+    """The layer holds one conversion of the codes (w13, w2) and scales (s13, s2) and reads them back as loaded."""
+    from sglang_ext.moe_method import modelopt_bytes
 
     assert torch.equal(layer.w13_weight, to_kernel_layout(w13))
     assert torch.equal(layer.w2_weight, to_kernel_layout(w2))
-    assert torch.equal(modelopt_codes(layer, "w13_weight"), w13)   # what a re-send / check reads
-    assert torch.equal(modelopt_codes(layer, "w2_weight"), w2)
-    assert torch.equal(layer.w13_comp_weight, rac_weight_columns(w13, layer.w13_weight_scale, layer.w13_comp_index))
+    assert torch.equal(layer.w13_weight_scale.view(torch.uint8), scales_to_kernel_layout(s13).view(torch.uint8))
+    assert torch.equal(layer.w2_weight_scale.view(torch.uint8), scales_to_kernel_layout(s2).view(torch.uint8))
+    for pname, want in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale", s13), ("w2_weight_scale", s2)):
+        assert torch.equal(modelopt_bytes(layer, pname).view(torch.uint8), want.view(torch.uint8)), pname  # a re-send
+    assert torch.equal(layer.w13_comp_weight, rac_weight_columns(w13, s13, layer.w13_comp_index))
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +226,7 @@ def _v2_linear(x, tensors, cfg):
 
 
 def test_linear_runs_v3_like_v2_and_converts_partial_reloads_once(sglang_runtime, monkeypatch, routed):
-    from sglang_ext.linear_method import modelopt_codes
+    from sglang_ext.linear_method import modelopt_bytes
 
     monkeypatch.setenv("QUADS_BACKEND", "triton")
     cfg = _config()
@@ -235,7 +237,10 @@ def test_linear_runs_v3_like_v2_and_converts_partial_reloads_once(sglang_runtime
     _linear_load(layer, shards, old)
     _process(model)
     codes = torch.cat([t["weight"] for t in old])
-    assert torch.equal(layer.weight, to_kernel_layout(codes)) and torch.equal(modelopt_codes(layer), codes)
+    assert torch.equal(layer.weight, to_kernel_layout(codes)) and torch.equal(modelopt_bytes(layer), codes)
+    scales = torch.cat([t["weight_scale"] for t in old]).view(torch.uint8)
+    assert torch.equal(layer.weight_scale.view(torch.uint8), scales_to_kernel_layout(scales))
+    assert torch.equal(modelopt_bytes(layer, "weight_scale").view(torch.uint8), scales)
     x = routed[0][:3]
     torch.testing.assert_close(layer(x)[0].float(), _v2_linear(x, old, cfg).float(), rtol=0, atol=0)  # bit-identical to the v2 loop
     ptr = layer.weight.data_ptr()
@@ -245,7 +250,8 @@ def test_linear_runs_v3_like_v2_and_converts_partial_reloads_once(sglang_runtime
     want = [old[0], dict(old[1], weight=new[1]["weight"]), old[2]]
     codes = torch.cat([t["weight"] for t in want])
     assert layer.weight.data_ptr() == ptr
-    assert torch.equal(layer.weight, to_kernel_layout(codes)) and torch.equal(modelopt_codes(layer), codes)
+    assert torch.equal(layer.weight, to_kernel_layout(codes)) and torch.equal(modelopt_bytes(layer), codes)
+    assert torch.equal(modelopt_bytes(layer, "weight_scale").view(torch.uint8), scales)  # not rewritten, not reconverted
     assert torch.equal(layer.comp_weight, torch.cat([rac_weight_columns(
         t["weight"], t["weight_scale"], t["input_comp_index"]) for t in want]))
     torch.testing.assert_close(layer(x)[0].float(), _v2_linear(x, want, cfg).float(), rtol=0, atol=0)  # bit-identical to the v2 loop

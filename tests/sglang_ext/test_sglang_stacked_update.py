@@ -14,7 +14,7 @@ import torch
 
 from sglang_fixtures import moe_checkpoint
 from quads_megatron.errors import CheckpointError
-from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, to_kernel_layout
+from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, scales_to_kernel_layout, to_kernel_layout
 from quads_megatron.plan.rollout_schema import RolloutQuantConfig
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
@@ -152,6 +152,9 @@ def test_a_stacked_update_equals_the_per_expert_update(sglang_runtime, monkeypat
     w13, w2 = stacked[f"{PREFIX}.w13_weight"], stacked[f"{PREFIX}.w2_weight"]
     convert = to_kernel_layout if layout == "v3" else (lambda t: t)
     assert torch.equal(layer.w13_weight, convert(w13)) and torch.equal(layer.w2_weight, convert(w2))  # converted once
+    convert = scales_to_kernel_layout if layout == "v3" else (lambda t: t)
+    for pname in ("w13_weight_scale", "w2_weight_scale"):
+        assert torch.equal(_bytes(getattr(layer, pname)), _bytes(convert(stacked[f"{PREFIX}.{pname}"]))), pname
     x, topk = _routed(h)
     y = layer(x, topk)
     assert torch.equal(y, ref(x, topk))

@@ -17,7 +17,7 @@ def test_bench_refit_runs_tiny_on_cpu(load_tool, monkeypatch, capsys, tmp_path):
     # the old and the new path in one run, each with the bytes it moves by design (per parameter)
     assert rows["step_old"]["bytes_per_param"] == 10.5625 and rows["step_new"]["bytes_per_param"] == 6.5625
     assert rows["refit"]["floor_bytes_per_param"] == 4.5625 and rows["build_load_layer"]["step_ms"] > 0
-    assert rows["refit_kernel_layout"]["bytes_per_param"] == 5.5625  # + the codes read and written once
+    assert rows["refit_kernel_layout"]["bytes_per_param"] == 5.6875  # + codes and scales read and written once
     # wire size: BF16 is 2 B/parameter, NVFP4 0.5625 B + one fp32 scale per gate/up and down of each expert
     params = 3 * 8 * 128 * 64 * 2
     assert rows["wire_bytes"] == {"bf16": params * 2, "nvfp4": params * 0.5625 + 4 * 2 * 8 * 2}

@@ -12,7 +12,7 @@ import torch
 from quads_megatron import nvfp4
 from quads_megatron.kernels.gemm import interpreting
 from quads_megatron.plan import ExpertsLayer, QuantPlan
-from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, to_kernel_layout
+from quads_megatron.plan.kernel_layout import KERNEL_WEIGHT_LAYOUT, scales_to_kernel_layout, to_kernel_layout
 from quads_megatron.recipe import QuadsRecipe
 from quads_megatron.rl.engines.local import LocalEngine
 from quads_megatron.rl.engines.base import SamplingParams
@@ -82,11 +82,16 @@ def _check_one_conversion(v3, v2):
     for name, m3 in v3.nvfp4_modules.items():
         m2 = v2.nvfp4_modules[name]
         assert m3.weight_layout == KERNEL_WEIGHT_LAYOUT and m2.weight_layout == "modelopt", name
-        pairs = ([(getattr(m3, w), getattr(m2, w), m3.modelopt_codes(w)) for w in ("w13", "w2")]
-                 if hasattr(m3, "w13") else [(m3.weight, m2.weight, m3.modelopt_codes())])
-        for frag, modelopt, back in pairs:
-            assert torch.equal(frag, to_kernel_layout(modelopt)), name
-            assert torch.equal(back, modelopt), name
+        if hasattr(m3, "w13"):
+            pairs = [(getattr(m3, w), getattr(m2, w), m3.modelopt_codes(w), to_kernel_layout) for w in ("w13", "w2")]
+            pairs += [(getattr(m3, f"{w}_scale"), getattr(m2, f"{w}_scale"), m3.modelopt_scales(w),
+                       scales_to_kernel_layout) for w in ("w13", "w2")]
+        else:
+            pairs = [(m3.weight, m2.weight, m3.modelopt_codes(), to_kernel_layout),
+                     (m3.weight_scale, m2.weight_scale, m3.modelopt_scales(), scales_to_kernel_layout)]
+        for frag, modelopt, back, convert in pairs:
+            assert torch.equal(frag.view(torch.uint8), convert(modelopt).view(torch.uint8)), name
+            assert torch.equal(back.view(torch.uint8), modelopt.view(torch.uint8)), name
         assert m3.meter.rel == pytest.approx(m2.meter.rel, rel=1e-6)  # the meter sees ModelOpt values (sums may differ in order)
 
 
@@ -147,6 +152,7 @@ def test_a_partial_load_converts_only_what_it_wrote():
         m.load("up_proj", 2, u)
         m.load("down_proj", 1, d)
     assert torch.equal(m3.modelopt_codes("w13"), m2.w13)  # a read mid-load sees ModelOpt bytes
+    assert torch.equal(m3.modelopt_scales("w2"), m2.w2_scale)
     m3.settle_load()
     m3.settle_load()  # nothing pending: a second settle converts nothing
     _check_one_conversion(v3, v2)
