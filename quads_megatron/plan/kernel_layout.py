@@ -1,4 +1,4 @@
-"""The rollout kernels' weight layout: the one load-time step from a checkpoint's NVFP4 codes and block scales to the byte order the fused GEMM reads.
+"""The rollout kernels' weight layout: the one load-time step from NVFP4 codes and block scales to the GEMM's byte order.
 
 Checkpoints, export, refit sources and the wire format keep ModelOpt's layout (packed codes
 [..., N, K/2] uint8, two E2M1 codes per byte; E4M3 block scales [..., N, K/16];
