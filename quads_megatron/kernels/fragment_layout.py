@@ -1,4 +1,4 @@
-"""The byte order the fragment-layout GEMM (`gemm.launch_gemm(..., fragment_layout=True)`) reads its packed E2M1 codes in.
+"""The byte orders the fragment-layout GEMM (`gemm.launch_gemm(..., fragment_layout=True)`) reads its E2M1 codes and E4M3 scales in.
 
 ModelOpt stores a weight's codes row-major, two per byte ([.., N, K//2], low nibble first). The
 Hopper kernel instead loads, per thread and 128-wide K step, exactly the codes of its wgmma
@@ -10,9 +10,11 @@ and code B_i at bits {5, 6, 1..0} (moved to the same form by (w << 2) & 0x8C | (
 Tile atom: 64 rows x 128 columns of one expert = 1024 words, ordered [h 2][q 4][g 8][t 4][w 4]
 with row 16q + 8h + g and, for pair j (0-3) of word w and half b (0-1), column
 16 (2w + b) + 4t + j: the two halves of a pair sit in the 16-column blocks 2w and 2w + 1, so one
-f16x2 of the scales (s[2w], s[2w + 1], read straight from ModelOpt's scale layout) scales the
-whole word. Atoms are stored [N/64][K/128], so a 64-row tile streams contiguously along K.
-The block scales keep ModelOpt's layout; only the codes move. `to_fragment_order` and
+f16x2 of the scales (s[2w], s[2w + 1]) scales the whole word. Atoms are stored [N/64][K/128], so a
+64-row tile streams contiguously along K. The block scales move with them
+(`to_fragment_scale_order`): an atom's 64 rows x 8 scales are stored [h 2][q 4][g 8][8], so the 8
+rows a warp loads per step are 64 contiguous bytes (in ModelOpt's layout they are 8 rows, 8
+cache lines, apart). Both permutations keep shape and dtype. `to_fragment_order` and
 `from_fragment_order` are exact inverses on every byte, in the plain-torch definition below (the
 CPU path); CUDA tensors go through the one-pass Triton form (`fragment_convert`, in place), which
 is checked bit-exactly against that definition in the interpreter and on the H200 and runs at
