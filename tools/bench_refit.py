@@ -113,6 +113,40 @@ def _conversion_table(engine, run, floor, iters, out):
         copy_ms = copy_ms or ms
         print(f"| {what} | {ms:.3f} | {ms / copy_ms:.2f} | {ms / fl:.2f} |")
         out[f"conversion_{key}"] = {"layer_ms": ms, "bytes": nbytes, "x_copy": ms / copy_ms, "x_floor": ms / fl}
+    _scale_conversion_table(engine, run, floor, iters, out)
+
+
+def _scale_conversion_table(engine, run, floor, iters, out):
+    """The same for one layer's block scales (`to/from_fragment_scale_order`, a torch permute in place)."""
+    from quads_megatron.kernels.fragment_layout import from_fragment_scale_order, to_fragment_scale_order
+
+    scales = [getattr(engine, n).clone() for n in ("w13_scale", "w2_scale")]
+    scales = [t for t in scales if t.shape[-2] % 64 == 0 and t.shape[-1] % 8 == 0]
+    if not scales:
+        return
+    spare = [torch.empty_like(t) for t in scales]
+    nbytes = sum(t.numel() for t in scales)
+    for t in scales:  # correctness first: the inverse restores the scales
+        keep = t.clone()
+        to_fragment_scale_order(t, out=t)
+        assert torch.equal(from_fragment_scale_order(t, out=t).view(torch.uint8), keep.view(torch.uint8))
+    rows = [
+        ("copy", "device copy of the same bytes (baseline)", lambda: [d.copy_(t) for d, t in zip(spare, scales)]),
+        ("to_kernel_layout", "torch permute in place (`to_fragment_scale_order`)",
+         lambda: [to_fragment_scale_order(t, out=t) for t in scales]),
+        ("from_kernel_layout", "its inverse in place", lambda: [from_fragment_scale_order(t, out=t) for t in scales]),
+    ]
+    fl = floor(2 * nbytes)
+    print(f"\nKernel-layout conversion of one layer's block scales ({nbytes / 1e6:.1f} MB read and written), "
+          f"floor {fl:.3f} ms at copy bandwidth")
+    print("| what | ms | x copy | x floor |")
+    print("|---|---|---|---|")
+    copy_ms = None
+    for key, what, fn in rows:
+        ms = run(fn, iters, 2)
+        copy_ms = copy_ms or ms
+        print(f"| {what} | {ms:.3f} | {ms / copy_ms:.2f} | {ms / fl:.2f} |")
+        out[f"scale_conversion_{key}"] = {"layer_ms": ms, "bytes": nbytes, "x_copy": ms / copy_ms, "x_floor": ms / fl}
 
 
 def main():
