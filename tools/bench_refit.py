@@ -102,8 +102,15 @@ def _conversion_table(engine, run, floor, iters, out):
         ("from_kernel_layout_torch", "its inverse in torch + copy into place",
          lambda: [c.copy_(_from_fragment_order_torch(c)) for c in codes]),
     ]
+    _timed_table("codes", "conversion", rows, nbytes, run, floor, iters, out)
+    _scale_conversion_table(engine, run, floor, iters, out)
+
+
+def _timed_table(what_bytes, key_prefix, rows, nbytes, run, floor, iters, out):
+    """Time each (key, what, fn) of `rows` (the first: a copy of the same bytes) and print them against the copy
+    and the floor (nbytes read and written at copy bandwidth); into `out` as f"{key_prefix}_{key}"."""
     fl = floor(2 * nbytes)
-    print(f"\nKernel-layout conversion of one layer's codes ({nbytes / 1e6:.1f} MB read and written), "
+    print(f"\nKernel-layout conversion of one layer's {what_bytes} ({nbytes / 1e6:.1f} MB read and written), "
           f"floor {fl:.3f} ms at copy bandwidth")
     print("| what | ms | x copy | x floor |")
     print("|---|---|---|---|")
@@ -112,16 +119,16 @@ def _conversion_table(engine, run, floor, iters, out):
         ms = run(fn, iters, 2)
         copy_ms = copy_ms or ms
         print(f"| {what} | {ms:.3f} | {ms / copy_ms:.2f} | {ms / fl:.2f} |")
-        out[f"conversion_{key}"] = {"layer_ms": ms, "bytes": nbytes, "x_copy": ms / copy_ms, "x_floor": ms / fl}
-    _scale_conversion_table(engine, run, floor, iters, out)
+        out[f"{key_prefix}_{key}"] = {"layer_ms": ms, "bytes": nbytes, "x_copy": ms / copy_ms, "x_floor": ms / fl}
 
 
 def _scale_conversion_table(engine, run, floor, iters, out):
     """The same for one layer's block scales (`to/from_fragment_scale_order`, a torch permute in place)."""
     from quads_megatron.kernels.fragment_layout import from_fragment_scale_order, to_fragment_scale_order
+    from quads_megatron.plan.kernel_layout import kernel_layout_fits
 
     scales = [getattr(engine, n).clone() for n in ("w13_scale", "w2_scale")]
-    scales = [t for t in scales if t.shape[-2] % 64 == 0 and t.shape[-1] % 8 == 0]
+    scales = [t for t in scales if kernel_layout_fits(t.shape[-2], 16 * t.shape[-1])]
     if not scales:
         return
     spare = [torch.empty_like(t) for t in scales]
@@ -136,17 +143,7 @@ def _scale_conversion_table(engine, run, floor, iters, out):
          lambda: [to_fragment_scale_order(t, out=t) for t in scales]),
         ("from_kernel_layout", "its inverse in place", lambda: [from_fragment_scale_order(t, out=t) for t in scales]),
     ]
-    fl = floor(2 * nbytes)
-    print(f"\nKernel-layout conversion of one layer's block scales ({nbytes / 1e6:.1f} MB read and written), "
-          f"floor {fl:.3f} ms at copy bandwidth")
-    print("| what | ms | x copy | x floor |")
-    print("|---|---|---|---|")
-    copy_ms = None
-    for key, what, fn in rows:
-        ms = run(fn, iters, 2)
-        copy_ms = copy_ms or ms
-        print(f"| {what} | {ms:.3f} | {ms / copy_ms:.2f} | {ms / fl:.2f} |")
-        out[f"scale_conversion_{key}"] = {"layer_ms": ms, "bytes": nbytes, "x_copy": ms / copy_ms, "x_floor": ms / fl}
+    _timed_table("block scales", "scale_conversion", rows, nbytes, run, floor, iters, out)
 
 
 def main():

@@ -44,16 +44,23 @@ def fragment_columns(k: int, device=None) -> torch.Tensor:
     return (p // 32) * 32 + (p % 2) * 16 + ((p // 2) % 4) * 4 + (p // 8) % 4
 
 
+def _tile_multiples(t: torch.Tensor, name: str, cols_per_element: int) -> tuple:
+    """(N, K) of a weight-shaped tensor [..., N, K / cols_per_element], checked to tile into 64 x 128 atoms."""
+    n, k = t.shape[-2], t.shape[-1] * cols_per_element
+    if n % ROWS or k % COLS:
+        unit = f"K/{cols_per_element}"
+        raise ValueError(f"{name}: the fragment layout needs N a multiple of {ROWS} and K a multiple of {COLS} "
+                         f"({unit} of {COLS // cols_per_element}), got N = {n}, {unit} = {t.shape[-1]} "
+                         f"(shape {tuple(t.shape)})")
+    return n, k
+
+
 def check_fragment_shape(codes: torch.Tensor, name: str = "weight") -> tuple:
     """(N, K) of packed codes [..., N, K//2] uint8 that the fragment layout can hold."""
     if codes.dtype != torch.uint8 or codes.ndim < 2:
         raise ValueError(f"{name}: expected packed NVFP4 codes as uint8 [..., N, K//2], got "
                          f"{codes.dtype} {tuple(codes.shape)}")
-    n, k = codes.shape[-2], codes.shape[-1] * 2
-    if n % ROWS or k % COLS:
-        raise ValueError(f"{name}: the fragment layout needs N a multiple of {ROWS} and K a "
-                         f"multiple of {COLS}, got N = {n}, K = {k} (shape {tuple(codes.shape)})")
-    return n, k
+    return _tile_multiples(codes, name, 2)
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -108,11 +115,7 @@ def check_fragment_scale_shape(scales: torch.Tensor, name: str = "weight_scale")
     if scales.element_size() != 1 or scales.ndim < 2:
         raise ValueError(f"{name}: expected E4M3 block scales as one byte each [..., N, K//16], got "
                          f"{scales.dtype} {tuple(scales.shape)}")
-    n, k = scales.shape[-2], scales.shape[-1] * 16
-    if n % ROWS or k % COLS:
-        raise ValueError(f"{name}: the fragment layout needs N a multiple of {ROWS} and K a multiple of "
-                         f"{COLS} (K/16 of {SCALE_BLOCKS}), got N = {n}, K/16 = {k // 16} (shape {tuple(scales.shape)})")
-    return n, k
+    return _tile_multiples(scales, name, 16)
 
 
 def to_fragment_scale_order(scales: torch.Tensor, out: Optional[torch.Tensor] = None,
