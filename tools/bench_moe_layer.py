@@ -364,10 +364,14 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
             # than 16 rows, so a 16-row tile decodes their weights twice; offline (sm_90) the 32-row tile's
             # step is ~10% more instructions at the same cap, and it spills (72-120 bytes a thread at 96-128
             # registers, none from 168: tools/kernel_sass_report.py)
-            cands = [C(16, 128, 128, 4, 3, 8, True, max_regs=96), C(16, 128, 128, 8, 4, 8, True),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=96), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
-                     C(32, 128, 128, 8, 3, 8, True), C(32, 64, 128, 4, 4, 8, True),
-                     C(64, 128, 128, 4, 3, 8, True), C(64, 128, 128, 8, 3, 8, True)]
+            # rac_rows: RAC's residual as MMA rows (16 + 16 or 32 + 32), no stored columns read (fc2's are 30%
+            # of its bytes); 2 stages: the doubled activation tile's shared memory back to 5 CTAs per SM
+            cands = [C(16, 128, 128, 4, 3, 8, True, max_regs=96), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
+                     C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 4, 3, 8, True),
+                     C(16, 128, 128, 4, 3, 8, True, max_regs=96, rac_rows=True),
+                     C(16, 128, 128, 4, 2, 8, True, max_regs=96, rac_rows=True),
+                     C(16, 128, 128, 4, 3, 8, True, max_regs=128, rac_rows=True),
+                     C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True)]
         elif rows <= 128:
             # about half the experts have more rows than the mean (random routing): the next tile up
             # (128 rows, or 64 token columns swap-AB) decodes their weights once instead of twice
@@ -375,7 +379,9 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
                      C(128, 128, 128, 8, 3), C(128, 64, 128, 4, 3),
                      C(32, 128, 128, 4, 3, 8, True, max_regs=128), C(64, 128, 128, 4, 3, 8, True),
                      C(64, 128, 128, 8, 3, 8, True), C(64, 64, 128, 4, 4, 8, True), C(64, 128, 128, 4, 4, 8, True),
-                     C(128, 128, 128, 8, 3, 8, True)]
+                     C(128, 128, 128, 8, 3, 8, True), C(32, 128, 128, 4, 3, 8, True, max_regs=168),
+                     C(32, 128, 128, 4, 3, 8, True, rac_rows=True),
+                     C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True)]
         else:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
                      C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3, 8, True),
@@ -478,7 +484,7 @@ def run(args) -> dict:
         if args.sweep:
             ms["sweep"] = {}
             for cfgs in sweep_configs(t, args.num_experts, args.moe_router_topk, args.sweep_kernel):
-                for mode in ("w4a4", "w4a4_rac"):
+                for mode in ("w4a4_rac",) if cfgs and cfgs[0].rac_rows else ("w4a4", "w4a4_rac"):
                     layer = quads_layer(mode, configs=cfgs, kernel=args.sweep_kernel)
                     key = (variant_name(args.sweep_kernel, mode) + " "
                            + ("default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs)))

@@ -34,7 +34,7 @@ from ._checks import (check_act_mode, check_activation, check_comp, check_comp_w
 from .act_quant import quantize_activation_rac
 from .combine import topk_sum
 from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order, from_fragment_scale_order
-from .gemm import default_config, device_sms, fragment_config, grouped_split_k, launch_gemm
+from .gemm import default_config, device_sms, fragment_config, grouped_split_k, launch_gemm, linear_config
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
@@ -124,14 +124,16 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         a = x2d[:, _k_order(k, x.device)].contiguous() if frag else x2d
         launch_gemm(a, None, w, ws, ws2, out, m=m, w4a16=True, bias=b, fragment_layout=frag)
     else:
+        cfg = linear_config(m, n, k, frag, x.device)
         cols = None
-        if comp is not None:
+        if comp is not None and not cfg.rac_rows:
             cols = comp_weight if comp_weight is not None else _rac_columns(weight, weight_scale, comp, frag)
-        qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
+        qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag,
+                                     dense_residual=cfg.rac_rows)
         r = None if comp is None else (qa.r_values, qa.r_s_dec)
         launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,
                     comp_weight=None if cols is None else cols.unsqueeze(0), bias=b,
-                    fragment_layout=frag)
+                    config=cfg, fragment_layout=frag)
     return out.view(*x.shape[:-1], n)
 
 
@@ -212,9 +214,10 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         if frag:
             h = h[:, _k_order(f, x.device)].contiguous()
     else:
-        qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag)
+        qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag,
+                                     dense_residual=cfg1.rac_rows)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)
-        if c13 is not None and w13_comp_weight is None:
+        if c13 is not None and w13_comp_weight is None and not cfg1.rac_rows:
             w13_comp_weight = _rac_columns(w13, w13_scale, c13, frag)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_weight=w13_comp_weight if r is not None else None, routing=routing,
@@ -227,9 +230,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
         qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
-                                     fragment_order=frag)
+                                     fragment_order=frag, dense_residual=cfg2.rac_rows)
         r = None if c2 is None else (qh.r_values, qh.r_s_dec)
-        if c2 is not None and w2_comp_weight is None:
+        if c2 is not None and w2_comp_weight is None and not cfg2.rac_rows:
             w2_comp_weight = _rac_columns(w2, w2_scale, c2, frag)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_weight=w2_comp_weight if r is not None else None, routing=routing,
