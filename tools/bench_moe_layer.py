@@ -365,12 +365,13 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
             # step is ~10% more instructions at the same cap, and it spills (72-120 bytes a thread at 96-128
             # registers, none from 168: tools/kernel_sass_report.py)
             # rac_rows: RAC's residual as MMA rows (16 + 16 or 32 + 32), no stored columns read (fc2's are 30%
-            # of its bytes); 2 stages: the doubled activation tile's shared memory back to 5 CTAs per SM
+            # of its bytes). Offline (sm_90): 16 + 16 at 3 stages and 96 registers spills 16 bytes and its 48 KB
+            # of shared memory allow 4 CTAs per SM; at 2 stages (28 KB) 5; at 104 registers no spill, 4 CTAs
             cands = [C(16, 128, 128, 4, 3, 8, True, max_regs=96), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
                      C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 4, 3, 8, True),
                      C(16, 128, 128, 4, 3, 8, True, max_regs=96, rac_rows=True),
                      C(16, 128, 128, 4, 2, 8, True, max_regs=96, rac_rows=True),
-                     C(16, 128, 128, 4, 3, 8, True, max_regs=128, rac_rows=True),
+                     C(16, 128, 128, 4, 2, 8, True, max_regs=104, rac_rows=True),
                      C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True)]
         elif rows <= 128:
             # about half the experts have more rows than the mean (random routing): the next tile up

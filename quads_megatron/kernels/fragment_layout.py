@@ -134,26 +134,43 @@ def from_fragment_scale_order(frag: torch.Tensor, out: Optional[torch.Tensor] = 
     return _permute_scales(frag, out, name, inverse=True)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _steps(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """uint8 scales [..., N, K/16] as int64 [..., N, K/128] (the 8 scales of one row and step as one word: an
+    eighth of the elements to move), where the strides and offset allow the view; else None."""
+    if t.stride(-1) != 1 or t.storage_offset() % 8 or any(st % 8 for st in t.stride()[:-1]):
+        return None
+    return t.view(torch.int64)
+
+
 def _permute_scales(x: torch.Tensor, out: Optional[torch.Tensor], name: str, inverse: bool) -> torch.Tensor:
-    """The scale permutation as one torch permute + copy (scales are 1/8 of the codes' bytes)."""
+    """The scale permutation as one torch permute + copy (scales are 1/8 of the codes' bytes), on 8-byte words
+    where the tensors allow it."""
     n, k = check_fragment_scale_shape(x, name)
     if out is not None and (out.shape != x.shape or out.element_size() != 1 or out.device != x.device):
         raise ValueError(f"{name}: out must be one byte per scale {tuple(x.shape)} on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    src, dst = _bytes(x), None if out is None else _bytes(out)
+    ws, wd = _steps(src), None if dst is None else _steps(dst)
+    if ws is not None and (dst is None or wd is not None):
+        src, dst, unit = ws, wd, 1
+    else:
+        unit = SCALE_BLOCKS
     lead = x.shape[:-2]
     d = len(lead)
-    modelopt = (*lead, n // ROWS, 4, 2, 8, k // COLS, SCALE_BLOCKS)   # lead, R, q, h, g, S, blocks
-    frag = (*lead, n // ROWS, k // COLS, 2, 4, 8, SCALE_BLOCKS)      # lead, R, S, h, q, g, blocks
-    b = x.view(torch.uint8) if x.dtype != torch.uint8 else x
+    modelopt = (*lead, n // ROWS, 4, 2, 8, k // COLS, unit)   # lead, R, q, h, g, S, blocks
+    frag = (*lead, n // ROWS, k // COLS, 2, 4, 8, unit)      # lead, R, S, h, q, g, blocks
     if inverse:   # lead, R, S, h, q, g, blocks -> lead, R, q, h, g, S, blocks
-        y = b.reshape(frag).permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 5)
+        y = src.reshape(frag).permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 5)
     else:         # lead, R, q, h, g, S, blocks -> lead, R, S, h, q, g, blocks
-        y = b.reshape(modelopt).permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
-    y = y.reshape(x.shape)
+        y = src.reshape(modelopt).permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
+    y = y.reshape(src.shape)
     if out is None:
-        return y.contiguous().view(x.dtype)
-    ob = out.view(torch.uint8) if out.dtype != torch.uint8 else out
-    ob.copy_(y.contiguous() if out.data_ptr() == x.data_ptr() else y)   # in place: read all first
+        return y.contiguous().view(torch.uint8).view(x.dtype)
+    dst.copy_(y.contiguous() if out.data_ptr() == x.data_ptr() else y)   # in place: read all first
     return out
 
 

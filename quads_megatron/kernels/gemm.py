@@ -24,7 +24,11 @@ the act_quant pre-pass (exact fp16, its own per-row S_dec: the accumulator is re
 S_dec(x) / S_dec(r) before these steps) and the weight columns Wq[:, S] are stored per expert
 at load time in the same exact fp16 form (`rac_columns.rac_weight_columns`), so no single
 columns are gathered from the packed weight here. (A form that folded the residual into the
-fp16 activation tile was removed: it failed its GPU accuracy test.)
+fp16 activation tile was removed: it failed its GPU accuracy test.) `GemmConfig.rac_rows` runs the
+residual through the main loop instead, on fragment-order weights: act_quant writes it dense over
+K (zero off the k channels, `dense_residual`), each tile row's residual is one more MMA row, so it
+multiplies the weight tile decoded for the activation anyway (no stored columns read, no steps after
+the loop), and the epilogue sums the two halves, each at its own per-row S_dec.
 
 `GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
 decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and

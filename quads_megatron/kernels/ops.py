@@ -5,7 +5,8 @@ residual tile (own per-row S_dec) and the stored weight columns Wq[:, S]
 (`rac_columns.rac_weight_columns`: pass them as `comp_weight` / `w13_comp_weight` /
 `w2_comp_weight`, built once per weight; without them they are built per call), equal to the
 reference at fp32-accumulation level. The torch reference ignores them (it indexes the
-dequantized weight).
+dequantized weight). Tiles with `GemmConfig.rac_rows` (fragment-order weights) need no columns: the
+residual, dense over K, goes through the GEMM's main loop as more MMA rows.
 
 Dispatch, once per call, by `quads_megatron.nvfp4.resolve_backend(x.device, backend)`
 (`backend=` argument, else QUADS_BACKEND, else Triton on CUDA and torch on CPU): "torch" runs

@@ -113,6 +113,11 @@ def test_scale_order_round_trip_and_hand_placed_bytes():
     e4 = s.view(torch.float8_e4m3fn).clone()
     assert to_fragment_scale_order(e4, out=e4) is e4 and e4.dtype == torch.float8_e4m3fn
     assert torch.equal(e4.view(torch.uint8), f)
+    # a view whose rows are not 8-byte aligned (the byte path) permutes the same bytes as a contiguous copy
+    rows = torch.randint(0, 256, (128, 33), dtype=torch.uint8, generator=gen)[:, 1:]
+    assert torch.equal(to_fragment_scale_order(rows), to_fragment_scale_order(rows.contiguous()))
+    back = rows.clone()
+    assert torch.equal(from_fragment_scale_order(to_fragment_scale_order(rows), out=back), rows)
     with pytest.raises(ValueError, match="w2_scale: the fragment layout needs N a multiple of 64"):
         to_fragment_scale_order(torch.zeros(48, 8, dtype=torch.uint8), name="w2_scale")
     with pytest.raises(ValueError, match="K/16 of 8"):
@@ -259,6 +264,24 @@ def test_fragment_fused_moe_rac_rows_cpu(dtype, swap, split):
 
 
 @cpu_kernels
+@pytest.mark.parametrize("split", [1, 2])
+def test_fragment_linear_rac_rows_cpu(split):
+    """The dense GEMM with the residual as MMA rows, bias, split-K (each split its own K range of the residual)."""
+    gen = torch.Generator().manual_seed(8)
+    x = activations(5, 512, torch.float32, "cpu", gen)
+    w = packed((128, 512), "cpu", gen=gen)
+    ci, b = comp(512, 32, gen), torch.randn(128, generator=gen)
+    qa = quantize_activation_rac(x, ci, fragment_order=True, dense_residual=True)
+    out = torch.empty(5, 128)
+    launch_gemm(qa.values, qa.s_dec, to_fragment_order(w[0]).unsqueeze(0), to_fragment_scale_order(w[1]).unsqueeze(0),
+                w[2].reshape(1), out, m=5, r=(qa.r_values, qa.r_s_dec), bias=b, fragment_layout=True,
+                config=GemmConfig(16, 64, 128, 4, 1, 8, True, split, rac_rows=True))
+    want = reference.w4a4_linear(x, *w, act_mode="w4a4_rac", comp_index=ci, bias=b)
+    assert rel(out, want) < 2e-6
+    assert rel(out, reference.w4a4_linear(x, *w, act_mode="w4a4", bias=b)) > 1e-4   # the residual counts
+
+
+@cpu_kernels
 def test_rac_rows_needs_the_dense_residual():
     gen = torch.Generator().manual_seed(6)
     x = activations(3, 128, torch.float32, "cpu", gen)
@@ -356,7 +379,7 @@ SWEEP_TILES = [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
                (32, 128, 128, 4, 3, 8, True, 1, 168),
                # RAC as MMA rows (GemmConfig.rac_rows)
                (16, 128, 128, 4, 3, 8, True, 1, 96, True), (16, 64, 128, 4, 3, 8, True, 1, 96, True),
-               (16, 128, 128, 4, 2, 8, True, 1, 96, True), (16, 128, 128, 4, 3, 8, True, 1, 128, True),
+               (16, 128, 128, 4, 2, 8, True, 1, 96, True), (16, 128, 128, 4, 2, 8, True, 1, 104, True),
                (32, 128, 128, 4, 3, 8, True, 1, 168, True), (32, 128, 128, 4, 3, 8, True, 1, None, True)]
 
 
