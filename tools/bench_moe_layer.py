@@ -382,7 +382,8 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
                      C(64, 128, 128, 8, 3, 8, True), C(64, 64, 128, 4, 4, 8, True), C(64, 128, 128, 4, 4, 8, True),
                      C(128, 128, 128, 8, 3, 8, True), C(32, 128, 128, 4, 3, 8, True, max_regs=168),
                      C(32, 128, 128, 4, 3, 8, True, rac_rows=True),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True)]
+                     C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True),
+                     C(64, 128, 128, 8, 2, 8, True, rac_rows=True)]   # 64 + 64 on 8 warps: 176 registers, 1 CTA
         else:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
                      C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3, 8, True),

@@ -6,7 +6,9 @@
 #   WAIT_S=560 bash tools/gpu_session.sh stability-wait  # in each following call (machine still held): poll, collect
 #   GPU_TESTS="tests/kernels" bash tools/gpu_session.sh check  # a subset of the GPU tests (correctness only: it may
 #                                                        # share the GPU with the study's runs)
-#   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches
+#   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches,
+#                                                        # then the v3 tile sweep: kernel-tests, kernel-bench and
+#                                                        # kernel-sweep, one call each on a held machine
 #   bash tools/gpu_session.sh sglang                     # SGLang server: agreement, weight updates, throughput
 #   PLUGIN_BENCH=0 SGLANG_ARGS="--stages profile --precisions w4a4_rac --max-bs 64 \
 #       --server-args=--disable-prefill-cuda-graph" bash tools/gpu_session.sh sglang  # kernels per decode
@@ -90,19 +92,25 @@ for s in "$@"; do
           --out-json "$OUT/rl_stability.json" --out-png "$OUT/rl_stability.png" -- --train-iters "$RL_ITERS" \
           "${RL_FLAGS[@]}" 2>&1 | grep -E "summary|wrote|Error|error" | tail -8 ;;
     kernels)
-      # issue 25 in one call: the GPU tests (kernels, loaders, engines; SGLang's skip without its wheel set), then
-      # the MoE layer (BF16, FP8, v2, v3), the refit, the dense linear and the v3 tile sweep; each step bounded
-      stage kernels
-      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+      # issue 25 in one machine: the three stages below (over 600 s together: one call each on a held machine)
+      bash "$0" kernel-tests kernel-bench kernel-sweep ;;
+    kernel-tests)
+      # the GPU tests (kernels, loaders, engines; SGLang's skip without its wheel set)
+      stage kernel-tests
+      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    kernel-bench)
+      # the MoE layer (BF16, FP8, v2, v3), the refit (and its kernel-layout conversions), the dense linear; each bounded
       stage moe_layer
       timeout 170 $PY tools/bench_moe_layer.py --iters 30 --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
       stage refit
-      timeout 70 $PY tools/bench_refit.py --num-layers 8 --json "$OUT/refit.json" 2>&1 | grep -v -i warn | tail -34
+      timeout 70 $PY tools/bench_refit.py --num-layers 8 --json "$OUT/refit.json" 2>&1 | grep -v -i warn | tail -40
       stage linear
-      timeout 60 $PY tools/bench_w4a4_linear.py --json "$OUT/linear.json" 2>&1 | grep -v -i warn | tail -16
+      timeout 60 $PY tools/bench_w4a4_linear.py --json "$OUT/linear.json" 2>&1 | grep -v -i warn | tail -16 ;;
+    kernel-sweep)
+      # the v3 tile sweep (`bench_moe_layer.sweep_configs`: the RAC-as-MMA-rows tiles among them)
       stage moe_sweep
-      timeout "${SWEEP_S:-90}" $PY tools/bench_moe_layer.py --iters 10 --tokens 16 256 1024 --kernels v3 --sweep \
-          --json "$OUT/moe_sweep.json" 2>&1 | grep -v -i warn | tail -12 ;;
+      timeout "${SWEEP_S:-400}" $PY tools/bench_moe_layer.py --iters 10 --tokens ${SWEEP_TOKENS:-16 256 512 1024} \
+          --kernels v3 --sweep --json "$OUT/moe_sweep.json" 2>&1 | grep -v -i warn | tail -60 ;;
     stability)
       # issue 24: five rows x STABILITY_ITERS GRPO steps on the pretrained preset (two seeds of the naive rows), on a
       # task the SFT warm-up does not solve, all runs at once on the GPU. Detached (setsid) so it outlives this call

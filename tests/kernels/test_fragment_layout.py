@@ -380,7 +380,8 @@ SWEEP_TILES = [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
                # RAC as MMA rows (GemmConfig.rac_rows)
                (16, 128, 128, 4, 3, 8, True, 1, 96, True), (16, 64, 128, 4, 3, 8, True, 1, 96, True),
                (16, 128, 128, 4, 2, 8, True, 1, 96, True), (16, 128, 128, 4, 2, 8, True, 1, 104, True),
-               (32, 128, 128, 4, 3, 8, True, 1, 168, True), (32, 128, 128, 4, 3, 8, True, 1, None, True)]
+               (32, 128, 128, 4, 3, 8, True, 1, 168, True), (32, 128, 128, 4, 3, 8, True, 1, None, True),
+               (64, 128, 128, 8, 2, 8, True, 1, None, True)]
 
 
 def test_default_tiles_are_gpu_tested():
