@@ -101,7 +101,8 @@ for s in "$@"; do
     kernel-bench)
       # the MoE layer (BF16, FP8, v2, v3), the refit (and its kernel-layout conversions), the dense linear; each bounded
       stage moe_layer
-      timeout 170 $PY tools/bench_moe_layer.py --iters 30 --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
+      timeout 240 $PY tools/bench_moe_layer.py --iters 10 --tokens 1 8 16 64 256 384 512 768 1024 2048 4096 --kernels v3 \
+          --json "$OUT/moe_layer.json" 2>&1 | grep -v -i warn | tail -22
       stage refit
       timeout 70 $PY tools/bench_refit.py --num-layers 8 --json "$OUT/refit.json" 2>&1 | grep -v -i warn | tail -40
       stage linear

@@ -71,11 +71,9 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
     vals = tl.reshape(e2m1_decode(codes), (BLOCK_M, BLOCK_K // 16, 16)) * \
         (sf_val * 0.0078125)[:, :, None]
     if SCATTER:
-        pos = _fragment_position(cols) if FRAG else cols
-        tl.store(v_ptr + rows[:, None].to(tl.int64) * K + pos,
-                 tl.reshape(vals, (BLOCK_M, BLOCK_K)).to(tl.float16), mask=mask)
-        return
-    if FRAG:
+        if FRAG:
+            cols = _fragment_position(cols)
+    elif FRAG:
         vals = tl.permute(tl.reshape(vals, (BLOCK_M, BLOCK_K // 128, 4, 2, 4, 4)), (0, 1, 2, 5, 4, 3))
     tl.store(v_ptr + rows[:, None].to(tl.int64) * K + cols,
              tl.reshape(vals, (BLOCK_M, BLOCK_K)).to(tl.float16), mask=mask)

@@ -447,9 +447,10 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, d
     `tools/bench_moe_layer.py --sweep` and `tools/bench_w4a4_linear.py` on the H100 (docs/benchmarks.md
     sections 5 and 6). Swap-AB (the decoded weight as wgmma's register operand, 4 warps, 3 stages)
     with as many token columns as the rows need: 16, capped at 96 registers (5 CTAs per SM, no
-    spills); 32, capped at 128 (4 CTAs per SM; ptxas spills 80 / 112 bytes a thread there, W4A4 /
-    RAC, and the tile was still faster than under a cap of 96 in the sweep); 64, uncapped. The
-    grouped layer keeps 64 token columns at any row count (measured to 512 rows per expert: 8192
+    spills); the grouped layer 32 up to 64 rows, capped at 168 (3 CTAs per SM, no spills: 1.04x the
+    cap of 128 at 32 rows, 1.09x the 64-token tile at 64), the dense op 32 up to 32 rows, capped at
+    128 (4 CTAs per SM; ptxas spills 80 / 112 bytes a thread there, W4A4 / RAC); 64, uncapped. The
+    grouped layer keeps 64 token columns at any row count above (measured to 512 rows per expert: 8192
     tokens of Qwen3-30B-A3B, 2.55 against 2.73 ms for the 128 x 128 tile on 8 warps, which decodes a
     weight tile once per 128 rows but through shared memory); the dense op only up to 64 rows (at
     96-128 rows the 128 x 128 tile was 0-6% faster).
@@ -459,6 +460,8 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, d
     bn = 128 if n % 128 == 0 else 64
     if rows_per_expert <= 16:
         return GemmConfig(16, bn, 128, 4, 3, 8, True, max_regs=96)
+    if not dense and bn == 128 and rows_per_expert <= 64:
+        return GemmConfig(32, 128, 128, 4, 3, 8, True, max_regs=168)
     if rows_per_expert <= 32:
         return GemmConfig(32, bn, 128, 4, 3, 8, True, max_regs=128)
     if bn == 128 and (rows_per_expert <= 64 or not dense):

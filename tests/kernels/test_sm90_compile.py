@@ -1,0 +1,50 @@
+"""The kernels' GPU forms compile for sm_90 (Hopper) on a CPU machine: the interpreter runs code that Triton's
+compiler rejects (a constexpr branch left after an early `return` is still generated there), so the CPU suite
+also builds the launch forms the GPU takes, with the installed Triton and its ptxas, in a process without
+TRITON_INTERPRET."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = r"""
+import sys
+sys.path[:0] = [ROOT, ROOT + "/tools"]
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernel_sass_report
+from quads_megatron.kernels import act_quant
+from quads_megatron.kernels.gemm import GemmConfig, fragment_config
+
+# the activation pre-pass: dense residual (RAC as MMA rows) and the k-wide one, fragment order or not
+kern = act_quant._act_quant_kernel
+names = kern.arg_names
+ptrs = dict(x_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", sdec_ptr="*fp32", v_ptr="*fp16",
+            comp_ptr="*i32", group_ptr="*i32", r_ptr="*u8", rs_ptr="*u8", rsdec_ptr="*fp32", rv_ptr="*fp16")
+for frag, dense, silu in ((True, True, True), (False, True, False), (True, False, True)):
+    consts = dict(WRITE_F16=True, FRAG=frag, RES_DENSE=dense, STATIC=False, SILU_MUL=silu, HAS_RES=True,
+                  HAS_GROUP=silu, BLOCK_M=1, BLOCK_K=1024, BLOCK_KR=64, USE_PDL=False)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
+                   target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+# the v3 GEMM: the grouped default tiles (decode, 32 and 64 token columns) and a RAC-as-MMA-rows tile
+tiles = {fragment_config(r, 2048, 2048) for r in (8, 32, 128)} | {GemmConfig(16, 128, 128, 4, 2, 8, True, max_regs=96,
+                                                                            rac_rows=True)}
+for cfg in sorted(tiles):
+    kernel_sass_report.compile_gemm(cfg, frag=True, rac=True)
+print("compiled", len(tiles), "GEMM tiles")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "tools", "kernel_sass_report.py")), reason="tools/ absent")
+def test_gpu_forms_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.replace("ROOT", repr(ROOT))], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "compiled 4 GEMM tiles" in proc.stdout
