@@ -35,7 +35,7 @@ for frag, dense, silu in ((True, True, True), (False, True, False), (True, False
 # the v3 GEMM: the grouped default tiles (decode, 32 and 64 token columns) and a RAC-as-MMA-rows tile
 tiles = {fragment_config(r, 2048, 2048) for r in (8, 32, 128)} | {GemmConfig(16, 128, 128, 4, 2, 8, True, max_regs=96,
                                                                             rac_rows=True)}
-for cfg in sorted(tiles):
+for cfg in tiles:
     kernel_sass_report.compile_gemm(cfg, frag=True, rac=True)
 print("compiled", len(tiles), "GEMM tiles")
 """
