@@ -75,17 +75,13 @@ def _conversion_table(engine, run, floor, iters, out):
         return convert_fragment_order(c, out, True)
 
     from quads_megatron.kernels.gemm import interpreting
-    from quads_megatron.plan.kernel_layout import kernel_layout_fits
 
     if engine.w13.device.type != "cuda" and not interpreting():
         print("\n(kernel-layout conversion table: CUDA or TRITON_INTERPRET=1 only)")
         return
-    codes = [getattr(engine, n).clone() for n in ("w13", "w2")]
-    codes = [c for c in codes if kernel_layout_fits(c.shape[-2], 2 * c.shape[-1])]
+    codes, spare, nbytes = _layer_buffers(engine, ("w13", "w2"), 2)
     if not codes:
         return
-    spare = [torch.empty_like(c) for c in codes]
-    nbytes = sum(c.numel() for c in codes)
     # correctness first: the in-place pass equals the definition, and its inverse restores the codes
     for c in codes:
         want, keep = _to_fragment_order_torch(c), c.clone()
@@ -104,6 +100,16 @@ def _conversion_table(engine, run, floor, iters, out):
     ]
     _timed_table("codes", "conversion", rows, nbytes, run, floor, iters, out)
     _scale_conversion_table(engine, run, floor, iters, out)
+
+
+def _layer_buffers(engine, names, cols_per_element):
+    """Copies of one layer's buffers `names` ([..., N, K / cols_per_element]) that the kernel layout holds, a spare
+    buffer of each one's shape (the copy baseline's target) and their bytes."""
+    from quads_megatron.plan.kernel_layout import kernel_layout_fits
+
+    bufs = [getattr(engine, n).clone() for n in names]
+    bufs = [t for t in bufs if kernel_layout_fits(t.shape[-2], cols_per_element * t.shape[-1])]
+    return bufs, [torch.empty_like(t) for t in bufs], sum(t.numel() for t in bufs)
 
 
 def _timed_table(what_bytes, key_prefix, rows, nbytes, run, floor, iters, out):
@@ -125,14 +131,10 @@ def _timed_table(what_bytes, key_prefix, rows, nbytes, run, floor, iters, out):
 def _scale_conversion_table(engine, run, floor, iters, out):
     """The same for one layer's block scales (`to/from_fragment_scale_order`, a torch permute in place)."""
     from quads_megatron.kernels.fragment_layout import from_fragment_scale_order, to_fragment_scale_order
-    from quads_megatron.plan.kernel_layout import kernel_layout_fits
 
-    scales = [getattr(engine, n).clone() for n in ("w13_scale", "w2_scale")]
-    scales = [t for t in scales if kernel_layout_fits(t.shape[-2], 16 * t.shape[-1])]
+    scales, spare, nbytes = _layer_buffers(engine, ("w13_scale", "w2_scale"), 16)
     if not scales:
         return
-    spare = [torch.empty_like(t) for t in scales]
-    nbytes = sum(t.numel() for t in scales)
     for t in scales:  # correctness first: the inverse restores the scales
         keep = t.clone()
         to_fragment_scale_order(t, out=t)

@@ -246,17 +246,18 @@ class NVFP4Experts(_QuantExperts):
             for buf in (which, f"{which}_scale"):
                 self._pending[buf].mark(experts, row0, getattr(self, which).shape[1] if row1 is None else row1)
 
+    def _modelopt(self, name: str) -> torch.Tensor:
+        """Buffer `name` in ModelOpt order: itself in the v2 layout, else as ``PendingRows.modelopt`` reads it."""
+        buf = getattr(self, name)
+        return buf if self.weight_layout == "modelopt" else self._pending[name].modelopt(buf, name)
+
     def modelopt_codes(self, which: str) -> torch.Tensor:
-        """'w13' / 'w2' packed codes in ModelOpt order (the buffer itself in the v2 layout, else as
-        ``PendingRows.modelopt`` reads them): what checks, RAC columns, calibration and re-sends read."""
-        buf = getattr(self, which)
-        return buf if self.weight_layout == "modelopt" else self._pending[which].modelopt(buf, which)
+        """'w13' / 'w2' packed codes in ModelOpt order: what checks, RAC columns, calibration and re-sends read."""
+        return self._modelopt(which)
 
     def modelopt_scales(self, which: str) -> torch.Tensor:
         """'w13' / 'w2' block scales in ModelOpt order, as `modelopt_codes` reads the codes."""
-        name = f"{which}_scale"
-        buf = getattr(self, name)
-        return buf if self.weight_layout == "modelopt" else self._pending[name].modelopt(buf, name)
+        return self._modelopt(f"{which}_scale")
 
     @torch.no_grad()
     def settle_load(self) -> bool:
