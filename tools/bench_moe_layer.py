@@ -358,36 +358,32 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
 
     rows = t * topk / e
     if kernel == "v3":
+        # 256 weight rows on 8 warps (two warpgroups of 128 sharing one activation tile): half the activation
+        # tile reads of the 128-row tiles per weight byte (at 1024 tokens fc1 and fc2 read ~600 MB of fp16
+        # activation tiles against 340 MB of weights). Offline (sm_90): 16 tokens at 96 registers no spill,
+        # 2 CTAs per SM; 32 at 128 spills 40-64 bytes (2 CTAs), at 168 none (1 CTA); 64 uncapped 211-232 (1 CTA)
+        wide = [C(16, 256, 128, 8, 3, 8, True, max_regs=96), C(32, 256, 128, 8, 3, 8, True, max_regs=128),
+                C(32, 256, 128, 8, 3, 8, True, max_regs=168), C(64, 256, 128, 8, 3, 8, True)]
         if rows <= 32:
             # the default caps registers at 96 (3 stages, 5 CTAs per SM); uncapped the tile takes 158 (3 CTAs)
             # 32-token tiles: at 256 tokens (16 rows per expert on average) about half the experts have more
             # than 16 rows, so a 16-row tile decodes their weights twice; offline (sm_90) the 32-row tile's
             # step is ~10% more instructions at the same cap, and it spills (72-120 bytes a thread at 96-128
             # registers, none from 168: tools/kernel_sass_report.py)
-            # rac_rows: RAC's residual as MMA rows (16 + 16 or 32 + 32), no stored columns read (fc2's are 30%
-            # of its bytes). Offline (sm_90): 16 + 16 at 3 stages and 96 registers spills 16 bytes and its 48 KB
-            # of shared memory allow 4 CTAs per SM; at 2 stages (28 KB) 5; at 104 registers no spill, 4 CTAs
             cands = [C(16, 128, 128, 4, 3, 8, True, max_regs=96), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 4, 3, 8, True),
-                     C(16, 128, 128, 4, 3, 8, True, max_regs=96, rac_rows=True),
-                     C(16, 128, 128, 4, 2, 8, True, max_regs=96, rac_rows=True),
-                     C(16, 128, 128, 4, 2, 8, True, max_regs=104, rac_rows=True),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True)]
+                     C(32, 128, 128, 4, 3, 8, True, max_regs=168)] + wide[:3]
         elif rows <= 128:
             # about half the experts have more rows than the mean (random routing): the next tile up
-            # (128 rows, or 64 token columns swap-AB) decodes their weights once instead of twice
-            cands = [C(64, 128, 128, 8, 3), C(64, 128, 128, 8, 4), C(64, 64, 128, 4, 3),
-                     C(128, 128, 128, 8, 3), C(128, 64, 128, 4, 3),
+            # (64 token columns) decodes their weights once instead of twice. Tiles 1.3x or more slower than
+            # the default at 64 rows (H100, 2026-12-07) are no longer candidates: 64 / 128 rows x 128 / 64
+            # columns without swap-AB, 64 x 64 and 128 x 128 swap-AB, 64 token columns on 8 warps
+            cands = [C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 8, 3),
                      C(32, 128, 128, 4, 3, 8, True, max_regs=128), C(64, 128, 128, 4, 3, 8, True),
-                     C(64, 128, 128, 8, 3, 8, True), C(64, 64, 128, 4, 4, 8, True), C(64, 128, 128, 4, 4, 8, True),
-                     C(128, 128, 128, 8, 3, 8, True), C(32, 128, 128, 4, 3, 8, True, max_regs=168),
-                     C(32, 128, 128, 4, 3, 8, True, rac_rows=True),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=168, rac_rows=True),
-                     C(64, 128, 128, 8, 2, 8, True, rac_rows=True)]   # 64 + 64 on 8 warps: 176 registers, 1 CTA
+                     C(64, 128, 128, 4, 4, 8, True)] + wide[1:]
         else:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
                      C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3, 8, True),
-                     C(64, 128, 128, 4, 4, 8, True)]
+                     C(64, 128, 128, 4, 4, 8, True), wide[3]]
         return [None] + [(c, c) for c in cands]
     if rows <= 32:
         cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,
@@ -486,7 +482,7 @@ def run(args) -> dict:
         if args.sweep:
             ms["sweep"] = {}
             for cfgs in sweep_configs(t, args.num_experts, args.moe_router_topk, args.sweep_kernel):
-                for mode in ("w4a4_rac",) if cfgs and cfgs[0].rac_rows else ("w4a4", "w4a4_rac"):
+                for mode in ("w4a4", "w4a4_rac"):
                     layer = quads_layer(mode, configs=cfgs, kernel=args.sweep_kernel)
                     key = (variant_name(args.sweep_kernel, mode) + " "
                            + ("default" if cfgs is None else " / ".join(str(tuple(c)) for c in cfgs)))

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from quads_megatron.kernels import w4a4_linear
     from quads_megatron.kernels.act_quant import quantize_activation_rac
     from quads_megatron.kernels.fragment_layout import to_fragment_order, to_fragment_scale_order
-    from quads_megatron.kernels.gemm import launch_gemm, linear_config
+    from quads_megatron.kernels.gemm import launch_gemm
     from quads_megatron.kernels.rac_columns import rac_weight_columns
 
     dev = torch.device("cuda")
@@ -89,20 +89,6 @@ def main(argv=None) -> int:
                                        backend="triton", check_inputs=False, weight_layout="fragment")
 
                 ms["w4a4_rac v3"] = time_ms(rac_v3, device="cuda", iters=args.iters, mode="graph", reps=COPIES)
-                # both RAC forms on the v3 tile, whichever the default takes: K-steps over the stored
-                # columns, and the residual as MMA rows (`GemmConfig.rac_rows`); the op's two launches
-                tile = linear_config(m, n, k, True, dev)
-                for form, rows_form in (("columns", False), ("rows", True)):
-                    def rac_form(rows_form=rows_form):
-                        i = next(it) % COPIES
-                        qa = quantize_activation_rac(x, comp, fragment_order=True, dense_residual=rows_form)
-                        return launch_gemm(qa.values, qa.s_dec, qf[i][0][None], qf[i][1][None], q[i][2].reshape(1),
-                                           out, m=m, r=(qa.r_values, qa.r_s_dec),
-                                           comp_weight=None if rows_form else cols[i][None],
-                                           config=tile._replace(rac_rows=rows_form), fragment_layout=True)
-
-                    ms[f"w4a4_rac v3 {form}"] = time_ms(rac_form, device="cuda", iters=args.iters, mode="graph",
-                                                        reps=COPIES)
             if args.sweep:
                 ms["act_quant_rac"] = time_ms(lambda: quantize_activation_rac(x, comp), device="cuda",
                                               iters=args.iters, mode="graph", reps=COPIES)
@@ -125,13 +111,12 @@ def main(argv=None) -> int:
             rows.append(dict(n=n, k=k, m=m, ms=ms))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}; ms per call (CUDA graphs, weights from HBM)")
-    print("| M x N x K | BF16 (cuBLAS) | w4a16 | w4a4 | w4a4_rac | RAC vs BF16 | w4a4_rac v3 | RAC v3 vs BF16 "
-          "| RAC v3 columns | RAC v3 rows |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| M x N x K | BF16 (cuBLAS) | w4a16 | w4a4 | w4a4_rac | RAC vs BF16 | w4a4_rac v3 | RAC v3 vs BF16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ms = r["ms"]
-        v3 = (f"{ms['w4a4_rac v3']:.4f} | {ms['bf16'] / ms['w4a4_rac v3']:.2f}x | {ms['w4a4_rac v3 columns']:.4f} | "
-              f"{ms['w4a4_rac v3 rows']:.4f} |" if "w4a4_rac v3" in ms else "- | - | - | - |")
+        v3 = (f"{ms['w4a4_rac v3']:.4f} | {ms['bf16'] / ms['w4a4_rac v3']:.2f}x |" if "w4a4_rac v3" in ms
+              else "- | - |")
         print(f"| {r['m']}x{r['n']}x{r['k']} | {ms['bf16']:.4f} | {ms['w4a16']:.4f} | {ms['w4a4']:.4f} | "
               f"{ms['w4a4_rac']:.4f} | {ms['bf16'] / ms['w4a4_rac']:.2f}x | " + v3)
     for r in rows:

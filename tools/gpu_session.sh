@@ -108,7 +108,7 @@ for s in "$@"; do
       stage linear
       timeout 60 $PY tools/bench_w4a4_linear.py --json "$OUT/linear.json" 2>&1 | grep -v -i warn | tail -16 ;;
     kernel-sweep)
-      # the v3 tile sweep (`bench_moe_layer.sweep_configs`: the RAC-as-MMA-rows tiles among them)
+      # the v3 tile sweep (`bench_moe_layer.sweep_configs`: candidate tiles by rows per expert)
       stage moe_sweep
       timeout "${SWEEP_S:-400}" $PY tools/bench_moe_layer.py --iters 10 --tokens ${SWEEP_TOKENS:-16 256 512 1024} \
           --kernels v3 --sweep --json "$OUT/moe_sweep.json" 2>&1 | grep -v -i warn | tail -60 ;;

@@ -38,8 +38,7 @@ ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "s
 
 def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
     """triton.compile of `_w4a4_gemm_kernel` for sm_90 (routed, bf16 out) -> CompiledKernel.
-    rac: the RAC form (its K-steps over the stored fp16 weight columns, or with cfg.rac_rows the
-    residual as MMA rows)."""
+    rac: the RAC form too (its K-steps over the stored fp16 weight columns)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,9 +47,8 @@ def compile_gemm(cfg, frag: bool, w4a16: bool = False, rac: bool = False):
 
     kern = gemm._w4a4_gemm_kernel
     names = kern.arg_names
-    rac_rows = rac and cfg.rac_rows
-    consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac and not rac_rows,
-                  W4A16=w4a16, DOT_F32=False, EVEN_K=True, EVEN_KR=True, SWAP_AB=cfg.swap_ab, RAC_ROWS=rac_rows,
+    consts = dict(SPLIT_K=1, ROUTED=True, MUL_WEIGHT=False, HAS_BIAS=False, HAS_RES=rac,
+                  W4A16=w4a16, DOT_F32=False, EVEN_K=True, EVEN_KR=True, SWAP_AB=cfg.swap_ab,
                   FRAG=frag, FRAG_ASM=frag, OUT_BF16=True, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KR=64, GROUP_M=cfg.group_m)
     ptrs = dict(POINTERS, ws_ptr="*u16" if frag else "*u8",
@@ -136,7 +134,7 @@ def report(cfg, frag: bool, w4a16: bool = False, args_top: int = 12, rac: bool =
     ptx = c.asm["ptx"]
     res = resources(c.asm["cubin"])
     wgmma = re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\{|%rd)", ptx)
-    mode = "w4a16" if w4a16 else ("w4a4_rac" + (" rows" if cfg.rac_rows else "") if rac else "w4a4")
+    mode = "w4a16" if w4a16 else ("w4a4_rac" if rac else "w4a4")
     return dict(layout="v3 fragment" if frag else "v2 row-major", mode=mode,
                 config=tuple(cfg[:7]), loop_instructions=total, weights_per_thread=per_thread,
                 per_weight=round(total / per_thread, 2), decode_per_weight=round(decode / per_thread, 2),
@@ -162,13 +160,10 @@ def main() -> None:
                     help="tile(s) to compile (default: the decode tile 16 64 128 4 4 1)")
     ap.add_argument("--w4a16", action="store_true", help="the W4A16 form (bf16 activations)")
     ap.add_argument("--rac", action="store_true", help="also the RAC form (K-steps over stored fp16 columns)")
-    ap.add_argument("--rac-rows", action="store_true", help="the RAC form as MMA rows (GemmConfig.rac_rows)")
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per row")
     ap.add_argument("--max-regs", type=int, default=None, help="GemmConfig.max_regs (Triton's maxnreg) of every tile")
     args = ap.parse_args()
-    cfgs = [GemmConfig(*c[:5], 8, bool(c[5]), max_regs=args.max_regs, rac_rows=args.rac_rows)
-            for c in args.config or [(16, 64, 128, 4, 4, 1)]]
-    args.rac = args.rac or args.rac_rows
+    cfgs = [GemmConfig(*c[:5], 8, bool(c[5]), max_regs=args.max_regs) for c in args.config or [(16, 64, 128, 4, 4, 1)]]
     import triton
 
     print(f"triton {triton.__version__}, sm_90")

@@ -53,27 +53,15 @@ def _store_packed(q_ptr, s_ptr, codes, sf_bits, rows, rmask, col0, K, BLOCK_M: t
 
 
 @triton.jit
-def _fragment_position(c):
-    """Column c's K position in the fragment GEMM's order: 32 w + 8 j + 2 t + b of its 128-wide step
-    for c = 32 w + 16 b + 4 t + j (`fragment_layout.fragment_columns` is its inverse)."""
-    ci = c % 128
-    return c - ci + (ci // 32) * 32 + (ci % 4) * 8 + ((ci // 4) % 4) * 2 + (ci // 16) % 2
-
-
-@triton.jit
 def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr, FRAG: tl.constexpr = False, SCATTER: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, FRAG: tl.constexpr = False):
     """Store e2m1 * e4m3 * 2^-7 as fp16 (exact: at most 6 significant bits, |v| <= 21).
     FRAG: column c goes to the fragment GEMM's K position 32 w + 8 j + 2 t + b of its 128-wide
     step (c = 32 w + 16 b + 4 t + j, `fragment_layout.fragment_columns`), permuted in registers
-    so the store stays contiguous; SCATTER: cols are arbitrary columns of a K-wide row (the RAC
-    channels), each stored at its position (`_fragment_position` with FRAG)."""
+    so the store stays contiguous."""
     vals = tl.reshape(e2m1_decode(codes), (BLOCK_M, BLOCK_K // 16, 16)) * \
         (sf_val * 0.0078125)[:, :, None]
-    if SCATTER:
-        if FRAG:
-            cols = _fragment_position(cols)
-    elif FRAG:
+    if FRAG:
         vals = tl.permute(tl.reshape(vals, (BLOCK_M, BLOCK_K // 128, 4, 2, 4, 4)), (0, 1, 2, 5, 4, 3))
     tl.store(v_ptr + rows[:, None].to(tl.int64) * K + cols,
              tl.reshape(vals, (BLOCK_M, BLOCK_K)).to(tl.float16), mask=mask)
@@ -82,8 +70,7 @@ def _store_tile_f16(v_ptr, codes, sf_val, rows, cols, mask, K, BLOCK_M: tl.const
 @triton.jit
 def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr, v_ptr,
                       comp_ptr, comp_stride_g, group_ptr, r_ptr, rs_ptr, rsdec_ptr, rv_ptr, KR,
-                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, RES_DENSE: tl.constexpr,
-                      STATIC: tl.constexpr,
+                      WRITE_F16: tl.constexpr, FRAG: tl.constexpr, STATIC: tl.constexpr,
                       SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                       HAS_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KR: tl.constexpr, USE_PDL: tl.constexpr = False):
@@ -113,12 +100,9 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         _store_packed(q_ptr, qs_ptr, codes, sf_bits, rows, rmask, k0, K, BLOCK_M, BLOCK_K)
         if WRITE_F16:
             _store_tile_f16(v_ptr, codes, sf_val, rows, cols, m, K, BLOCK_M, BLOCK_K, FRAG)
-        if RES_DENSE:  # the dense residual's zeros; its channels are written in 3)
-            tl.store(rv_ptr + rows[:, None].to(tl.int64) * K + cols,
-                     tl.zeros((BLOCK_M, BLOCK_K), tl.float16), mask=m)
     if HAS_RES:
         # 3) residual on the compensation channels: r = x[S] - dq(q(x))[S], then q(r)
-        tl.debug_barrier()  # codes and scales just stored are read back (and zeros overwritten)
+        tl.debug_barrier()  # codes and scales just stored are read back
         j = tl.arange(0, BLOCK_KR)
         jmask = j < KR
         if HAS_GROUP:
@@ -139,17 +123,14 @@ def _act_quant_kernel(x_ptr, stride_xm, M, K, amax_ptr, q_ptr, qs_ptr, sdec_ptr,
         rcodes, rsf_bits, rsf_val = nvfp4_block_quantize(r, r_enc[:, None], r_dec[:, None],
                                                          BLOCK_KR // 16, BLOCK_M)
         _store_packed(r_ptr, rs_ptr, rcodes, rsf_bits, rows, rmask, 0, KR, BLOCK_M, BLOCK_KR)
-        if RES_DENSE:
-            _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, idx, m, K, BLOCK_M, BLOCK_KR, FRAG, True)
-        elif WRITE_F16:
+        if WRITE_F16:
             _store_tile_f16(rv_ptr, rcodes, rsf_val, rows, j[None, :], m, KR, BLOCK_M, BLOCK_KR)
 
 
 class QuantizedActivation(NamedTuple):
     """Quantized activation: codes [M, K//2], e4m3 scale bits [M, K//16], S_dec [M], and (for the
     Hopper GEMM) `values` = e2m1 * e4m3 * 2^-7 as exact fp16 [M, K]; the RAC residual likewise
-    on the k gathered channels (None when k == 0), its `r_values` [M, k], or with dense_residual
-    [M, K] like `values`: each channel's value at its column (position), zeros elsewhere."""
+    on the k gathered channels (None when k == 0)."""
     data: torch.Tensor
     scale: torch.Tensor
     s_dec: torch.Tensor
@@ -164,8 +145,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
                             input_scale=None, groups: Optional[torch.Tensor] = None,
                             silu_mul: bool = False, block_m: Optional[int] = None,
                             with_values: bool = True,
-                            fragment_order: bool = False,
-                            dense_residual: bool = False) -> QuantizedActivation:
+                            fragment_order: bool = False) -> QuantizedActivation:
     """x [M, K] (or [M, 2K] gate|up with silu_mul) -> QuantizedActivation (no host syncs).
 
     comp_index: [k] shared or [G, k] with groups [M] (the set of each row); input_scale:
@@ -173,8 +153,6 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
     with_values: also write the exact fp16 tiles the Hopper GEMM reads (activation and residual);
     fragment_order: the activation's fp16 values in the fragment GEMM's K order
     (`fragment_layout.fragment_columns`: values[:, p] = x's value at column fragment_columns(K)[p]);
-    dense_residual: the residual's fp16 values dense over K in the values' order (the GEMM's
-    `GemmConfig.rac_rows`), zero off the channels;
     block_m: rows per program (default: 1 row with 1024-wide tiles below 512 rows, where a few
     4-row programs would leave the GPU idle; else 4 rows with 256-wide tiles; in the CPU
     interpreter `interpreter_rows`, few large programs).
@@ -199,9 +177,7 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         r_data = torch.empty(m_rows, kr // 2, dtype=torch.uint8, device=dev)
         r_scale = torch.empty(m_rows, kr // 16, dtype=torch.uint8, device=dev)
         r_s_dec = torch.empty(m_rows, dtype=torch.float32, device=dev)
-        if dense_residual and not with_values:
-            raise ValueError("dense_residual: the residual's fp16 values need with_values=True")
-        r_values = (torch.empty(m_rows, k if dense_residual else kr, dtype=torch.float16, device=dev)
+        r_values = (torch.empty(m_rows, kr, dtype=torch.float16, device=dev)
                     if with_values else None)
         comp = comp_index.to(torch.int32).contiguous()
         if comp.ndim == 2 and groups is None:
@@ -229,7 +205,6 @@ def quantize_activation_rac(x: torch.Tensor, comp_index: Optional[torch.Tensor] 
         values if with_values else s_dec, comp, comp_stride, grp,
         r_data if kr else data, r_scale if kr else scale, r_s_dec if kr else s_dec,
         r_values if r_values is not None else s_dec, kr, WRITE_F16=with_values, FRAG=fragment_order,
-        RES_DENSE=kr > 0 and dense_residual,
         STATIC=input_scale is not None, SILU_MUL=silu_mul, HAS_RES=kr > 0,
         HAS_GROUP=kr > 0 and comp.ndim == 2, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_KR=block_kr, num_warps=4, enable_fp_fusion=False, **pdl_options(x.device))

@@ -24,11 +24,7 @@ the act_quant pre-pass (exact fp16, its own per-row S_dec: the accumulator is re
 S_dec(x) / S_dec(r) before these steps) and the weight columns Wq[:, S] are stored per expert
 at load time in the same exact fp16 form (`rac_columns.rac_weight_columns`), so no single
 columns are gathered from the packed weight here. (A form that folded the residual into the
-fp16 activation tile was removed: it failed its GPU accuracy test.) `GemmConfig.rac_rows` runs the
-residual through the main loop instead, on fragment-order weights: act_quant writes it dense over
-K (zero off the k channels, `dense_residual`), each tile row's residual is one more MMA row, so it
-multiplies the weight tile decoded for the activation anyway (no stored columns read, no steps after
-the loop), and the epilogue sums the two halves, each at its own per-row S_dec.
+fp16 activation tile was removed: it failed its GPU accuracy test.)
 
 `GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
 decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and
@@ -175,14 +171,13 @@ def decode_fragments(words, sc, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fragment_main_loop(acc, a_base, w32_ptr, ws_ptr, expert, stride_we,
+def _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert, stride_we,
                         stride_wse, pid_n, N, K, k_start, k_end,
                         SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The main loop over fragment-order codes: per 128-wide step, one [BLOCK_N/64] x 1024-word
     load (16 bytes per thread and row pair), the matching scale pairs, the activation tile (its
-    columns already in the tile's K order; a_base: each tile row's start, the activation's or,
-    with RAC_ROWS, the dense residual's), the register decode and one MMA."""
+    columns already in the tile's K order), the register decode and one MMA."""
     NA: tl.constexpr = BLOCK_N // 64
     # a thread's 4 words are one 16-byte load; [slot, 4 words] with slot = t + 4 g + 32 q +
     # 128 (atom + NA h): lanes take (t, g), warps q (and the atom with 8 warps), registers the rest
@@ -201,7 +196,7 @@ def _fragment_main_loop(acc, a_base, w32_ptr, ws_ptr, expert, stride_we,
     s_ptrs = ws_ptr + expert * (stride_wse // 2) + (atom * (K // 128) + step0) * 256 \
         + hh * 128 + qq * 32 + gg * 4 + ww
     # the activation is stored in the same K order (`fragment_layout.fragment_columns`)
-    a_ptrs = a_base[:, None] + k_start + tl.arange(0, 128)[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_start + tl.arange(0, 128)[None, :]
     for _ in range(k_start, k_end, 128):
         words = tl.load(w_ptrs)
         sc = tl.load(s_ptrs)
@@ -246,14 +241,12 @@ def _w4a4_gemm_kernel(
         SPLIT_K: tl.constexpr, ROUTED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, W4A16: tl.constexpr, DOT_F32: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_KR: tl.constexpr, SWAP_AB: tl.constexpr,
-        RAC_ROWS: tl.constexpr, FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        FRAG: tl.constexpr, FRAG_ASM: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KR: tl.constexpr,
         GROUP_M: tl.constexpr, USE_PDL: tl.constexpr = False):
     """C[rows] = A[rows] Wq[e]^T: A is the exact fp16 activation tile of act_quant (W4A4) or
     the float activation (W4A16); Wq[e] is decoded from packed words in registers; with RAC,
-    + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns), or with
-    RAC_ROWS + Rd[rows] Wq[e]^T in the main loop (Rd: the residual dense over K, zero off its
-    channels, at rv_ptr with A's row stride: each tile row's residual is one more MMA row).
+    + R[rows] C[e]^T over the k residual channels (C: the stored fp16 weight columns).
     SPLIT_K > 1: program axis 1 takes K_SPLIT of K and stores its fp32 partial
     (scaled; bias and residual in split 0) at row m * SPLIT_K + split, summed by `combine.topk_sum`.
     FRAG: the codes are in `fragment_layout`'s order (BLOCK_K 128, N a multiple of 64, K of 128)
@@ -301,22 +294,14 @@ def _w4a4_gemm_kernel(
         + (tl.multiple_of(k_start // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16))[None, :]
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + tl.arange(0, BLOCK_K))[None, :]
 
-    if RAC_ROWS:  # rows (m, 0) / (m, 1) of the MMA: row m's activation / its dense residual
-        a_rows2 = tl.reshape(tl.join(a_rows, a_rows), (2 * BLOCK_M,))
-        is_res = (tl.arange(0, 2 * BLOCK_M) % 2) == 1
-        a_base = tl.where(is_res, rv_ptr + a_rows2 * stride_am, a_ptr + a_rows2 * stride_am)
-        MMA_M: tl.constexpr = 2 * BLOCK_M
-    else:
-        a_base = a_ptr + a_rows * stride_am
-        MMA_M: tl.constexpr = BLOCK_M
     if SWAP_AB:  # accumulate C^T (transposed back before the epilogue)
-        acc = tl.zeros((BLOCK_N, MMA_M), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        acc = tl.zeros((MMA_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FRAG:
-        acc = _fragment_main_loop(acc, a_base, w32_ptr, ws_ptr, expert,
+        acc = _fragment_main_loop(acc, a_ptr, a_rows, stride_am, w32_ptr, ws_ptr, expert,
                                   stride_we, stride_wse, pid_n, N, K, k_start, k_end,
-                                  SWAP_AB, DOT_F32, FRAG_ASM, MMA_M, BLOCK_N)
+                                  SWAP_AB, DOT_F32, FRAG_ASM, BLOCK_M, BLOCK_N)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
@@ -345,45 +330,38 @@ def _w4a4_gemm_kernel(
         out = acc * (ws2 * 128.0)
     else:
         sdec = tl.load(asdec_ptr + a_rows, mask=row_mask, other=1.0)
-        if RAC_ROWS:  # each half at its own per-row S_dec, then their sum
+        if HAS_RES:
+            # RAC: + rq Wq[:, S]^T as k more K-steps (the residual has its own per-row S_dec:
+            # rescale the accumulator to it and keep one accumulator)
+            # (split 0 only: the other splits run no residual step and keep their S_dec)
             rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
+            kr_run = KR
+            if SPLIT_K > 1:
+                rdec = tl.where(pid_k == 0, rdec, sdec)
+                kr_run = tl.where(pid_k == 0, KR, 0)
             if SWAP_AB:
-                acc = tl.trans(acc)
-            acc_x, acc_r = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-            out = (acc_x * sdec[:, None] + acc_r * rdec[:, None]) * (ws2 * 16384.0)
-        else:
-            if HAS_RES:
-                # RAC: + rq Wq[:, S]^T as k more K-steps (the residual has its own per-row S_dec:
-                # rescale the accumulator to it and keep one accumulator)
-                # (split 0 only: the other splits run no residual step and keep their S_dec)
-                rdec = tl.load(rsdec_ptr + a_rows, mask=row_mask, other=1.0)
-                kr_run = KR
-                if SPLIT_K > 1:
-                    rdec = tl.where(pid_k == 0, rdec, sdec)
-                    kr_run = tl.where(pid_k == 0, KR, 0)
-                if SWAP_AB:
-                    acc = acc * tl.math.div_rn(sdec, rdec)[None, :]
+                acc = acc * tl.math.div_rn(sdec, rdec)[None, :]
+            else:
+                acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
+            rw_rows = rw_ptr + expert * stride_rwe + offs_n[:, None].to(tl.int64) * stride_rwn
+            r_rows = rv_ptr + a_rows[:, None] * KR
+            # one step at k <= BLOCK_K; not pipelined (no extra shared-memory stages: occupancy)
+            for j0 in tl.range(0, kr_run, BLOCK_KR, num_stages=1):
+                j = j0 + tl.arange(0, BLOCK_KR)
+                if EVEN_KR:
+                    wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None], other=0.0)
+                    rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None], other=0.0)
                 else:
-                    acc = acc * tl.math.div_rn(sdec, rdec)[:, None]
-                rw_rows = rw_ptr + expert * stride_rwe + offs_n[:, None].to(tl.int64) * stride_rwn
-                r_rows = rv_ptr + a_rows[:, None] * KR
-                # one step at k <= BLOCK_K; not pipelined (no extra shared-memory stages: occupancy)
-                for j0 in tl.range(0, kr_run, BLOCK_KR, num_stages=1):
-                    j = j0 + tl.arange(0, BLOCK_KR)
-                    if EVEN_KR:
-                        wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None], other=0.0)
-                        rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None], other=0.0)
-                    else:
-                        jmask = j < KR
-                        wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None] & jmask[None, :],
-                                     other=0.0)
-                        rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None] & jmask[None, :],
-                                     other=0.0)
-                    acc = _mma(acc, rt, wg, SWAP_AB, DOT_F32)
-                sdec = rdec
-            if SWAP_AB:
-                acc = tl.trans(acc)
-            out = acc * sdec[:, None] * (ws2 * 16384.0)
+                    jmask = j < KR
+                    wg = tl.load(rw_rows + j[None, :], mask=n_mask[:, None] & jmask[None, :],
+                                 other=0.0)
+                    rt = tl.load(r_rows + j[None, :], mask=row_mask[:, None] & jmask[None, :],
+                                 other=0.0)
+                acc = _mma(acc, rt, wg, SWAP_AB, DOT_F32)
+            sdec = rdec
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        out = acc * sdec[:, None] * (ws2 * 16384.0)
     if HAS_BIAS:
         bias_mask = n_mask
         if SPLIT_K > 1:
@@ -412,9 +390,6 @@ class GemmConfig(NamedTuple):
     swap_ab: bool = False  # C^T = W A^T: the decoded weight tile as the MMA's A operand (small M)
     split_k: int = 1  # K split over this many programs per tile, fp32 partials summed (`dense_split_k`)
     max_regs: Optional[int] = None  # Triton's maxnreg: a register cap per thread (more CTAs per SM), None: ptxas'
-    # RAC as MMA rows: each tile row's residual, dense over K (`act_quant`'s dense_residual), multiplies the
-    # weight tile the main loop decodes anyway, instead of K-steps over stored weight columns (fragment layout)
-    rac_rows: bool = False
 
 
 def interpreting() -> bool:
@@ -538,8 +513,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     """Run the kernel. a: the exact fp16 activation values of act_quant [Ma, K] (or the float
     x with w4a16); w [E, N, K//2] (E = 1 dense); out [M, N]; routing = (sorted_ids,
     expert_ids, num_post) for the grouped form; RAC: r = (values [Ma, k], s_dec [Ma]) of the
-    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`), or
-    with config.rac_rows r = (values dense over K like a [Ma, K], s_dec [Ma]) and no columns;
+    residual and comp_weight = its weight columns, fp16 [E, N, k] (`rac_weight_columns`);
     fragment_layout: w and w_scale are in `fragment_layout.to_fragment_order`'s and
     `to_fragment_scale_order`'s byte orders (the v3 main loop)."""
     e, n, k2 = w.shape
@@ -574,13 +548,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         # every non-empty block holds >= 1 of the m routed rows, so at most m blocks do work: at decode
         # batch 1 (8 rows, 128 experts, block 16) 8 of the 121 padded blocks, the rest would launch to exit
         num_m_blocks = min(sorted_ids.numel() // bm, m)
-    rac_rows = r is not None and config.rac_rows
-    if rac_rows and (not fragment_layout or r[0].shape != a.shape or r[0].dtype != torch.float16
-                     or r[0].stride() != a.stride()):
-        raise ValueError(f"residual: config.rac_rows needs fragment-order weights and the residual dense "
-                         f"over K as the activation, fp16 {tuple(a.shape)} stride {a.stride()}; got "
-                         f"{r[0].dtype} {tuple(r[0].shape)} stride {r[0].stride()}")
-    kr = 0 if r is None or rac_rows else comp_weight.shape[-1]
+    kr = 0 if r is None else comp_weight.shape[-1]
     if kr and (comp_weight.dtype != torch.float16 or comp_weight.shape != (e, n, kr)
                or comp_weight.stride(-1) != 1 or r[0].shape[-1] != kr or not r[0].is_contiguous()):
         raise ValueError(f"comp_weight: expected fp16 [{e}, {n}, k] (row-major) and residual "
@@ -597,7 +565,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
     ws = w_scale.view(torch.uint16 if fragment_layout else torch.uint8)
     _w4a4_gemm_kernel[grid](
         a, a_s_dec if a_s_dec is not None else w_scale_2, a.stride(0),
-        r[0] if r is not None else a, r[1] if r is not None else w_scale_2, kr,
+        r[0] if kr else a, r[1] if kr else w_scale_2, kr,
         rw, rw.stride(0) if kr else 0, rw.stride(1) if kr else 0,
         _words(w, "weight"), ws, w_scale_2, w.stride(0), w.stride(1), w_scale.stride(0),
         w_scale.stride(1), c, c.stride(0), bias if bias is not None else w_scale_2,
@@ -606,7 +574,7 @@ def launch_gemm(a: torch.Tensor, a_s_dec: Optional[torch.Tensor], w: torch.Tenso
         SPLIT_K=split, ROUTED=routing is not None, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, HAS_RES=kr > 0, W4A16=w4a16,
         DOT_F32=interpreting() or a.dtype == torch.float32,
-        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab, RAC_ROWS=rac_rows,
+        EVEN_K=k % bk == 0, EVEN_KR=kr % bkr == 0, SWAP_AB=config.swap_ab,
         FRAG=fragment_layout, FRAG_ASM=fragment_layout and inline_ptx(a.device),
         OUT_BF16=out_bf16, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, BLOCK_KR=bkr,

@@ -5,8 +5,7 @@ residual tile (own per-row S_dec) and the stored weight columns Wq[:, S]
 (`rac_columns.rac_weight_columns`: pass them as `comp_weight` / `w13_comp_weight` /
 `w2_comp_weight`, built once per weight; without them they are built per call), equal to the
 reference at fp32-accumulation level. The torch reference ignores them (it indexes the
-dequantized weight). Tiles with `GemmConfig.rac_rows` (fragment-order weights) need no columns: the
-residual, dense over K, goes through the GEMM's main loop as more MMA rows.
+dequantized weight).
 
 Dispatch, once per call, by `quads_megatron.nvfp4.resolve_backend(x.device, backend)`
 (`backend=` argument, else QUADS_BACKEND, else Triton on CUDA and torch on CPU): "torch" runs
@@ -35,7 +34,7 @@ from ._checks import (check_act_mode, check_activation, check_comp, check_comp_w
 from .act_quant import quantize_activation_rac
 from .combine import topk_sum
 from .fragment_layout import check_fragment_shape, fragment_columns, from_fragment_order, from_fragment_scale_order
-from .gemm import default_config, device_sms, fragment_config, grouped_split_k, launch_gemm, linear_config
+from .gemm import default_config, device_sms, fragment_config, grouped_split_k, launch_gemm
 from .rac_columns import rac_weight_columns
 from .routing import moe_align_block_size
 from .silu_mul import silu_and_mul
@@ -125,16 +124,14 @@ def w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         a = x2d[:, _k_order(k, x.device)].contiguous() if frag else x2d
         launch_gemm(a, None, w, ws, ws2, out, m=m, w4a16=True, bias=b, fragment_layout=frag)
     else:
-        cfg = linear_config(m, n, k, frag, x.device)
         cols = None
-        if comp is not None and not cfg.rac_rows:
+        if comp is not None:
             cols = comp_weight if comp_weight is not None else _rac_columns(weight, weight_scale, comp, frag)
-        qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag,
-                                     dense_residual=cfg.rac_rows)
+        qa = quantize_activation_rac(x2d, comp, input_scale, fragment_order=frag)
         r = None if comp is None else (qa.r_values, qa.r_s_dec)
         launch_gemm(qa.values, qa.s_dec, w, ws, ws2, out, m=m, r=r,
                     comp_weight=None if cols is None else cols.unsqueeze(0), bias=b,
-                    config=cfg, fragment_layout=frag)
+                    fragment_layout=frag)
     return out.view(*x.shape[:-1], n)
 
 
@@ -215,10 +212,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         if frag:
             h = h[:, _k_order(f, x.device)].contiguous()
     else:
-        qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag,
-                                     dense_residual=cfg1.rac_rows)
+        qa = quantize_activation_rac(x, c13, w13_input_scale, fragment_order=frag)
         r = None if c13 is None else (qa.r_values, qa.r_s_dec)
-        if c13 is not None and w13_comp_weight is None and not cfg1.rac_rows:
+        if c13 is not None and w13_comp_weight is None:
             w13_comp_weight = _rac_columns(w13, w13_scale, c13, frag)
         launch_gemm(qa.values, qa.s_dec, w13, w13_scale, ws13_2, inter, m=m, r=r,
                     comp_weight=w13_comp_weight if r is not None else None, routing=routing,
@@ -231,9 +227,9 @@ def w4a4_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     else:
         groups = topk_ids.reshape(-1) if c2 is not None and c2.ndim == 2 else None
         qh = quantize_activation_rac(inter, c2, w2_input_scale, groups, silu_mul=True,
-                                     fragment_order=frag, dense_residual=cfg2.rac_rows)
+                                     fragment_order=frag)
         r = None if c2 is None else (qh.r_values, qh.r_s_dec)
-        if c2 is not None and w2_comp_weight is None and not cfg2.rac_rows:
+        if c2 is not None and w2_comp_weight is None:
             w2_comp_weight = _rac_columns(w2, w2_scale, c2, frag)
         launch_gemm(qh.values, qh.s_dec, w2, w2_scale, ws2_2, rows, m=m, r=r,
                     comp_weight=w2_comp_weight if r is not None else None, routing=routing,

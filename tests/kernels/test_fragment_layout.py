@@ -140,29 +140,6 @@ def test_act_quant_fragment_order_permutes_the_values_only():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("frag,groups", [(True, False), (True, True), (False, True)])
-def test_dense_residual_puts_each_channel_at_its_position(frag, groups):
-    """dense_residual: the k-wide residual values scattered to their channels' K positions (fragment
-    order: the inverse of `fragment_columns`), zero elsewhere; every other output unchanged."""
-    if not interpreting() and not CUDA:
-        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
-    dev = "cuda" if CUDA else "cpu"
-    gen = torch.Generator().manual_seed(5)
-    k = 384
-    x = activations(7, k, torch.float32, dev, gen)
-    ci = (comp(k, 32, gen, 3) if groups else comp(k, 32, gen)).to(dev)
-    grp = torch.tensor([0, 2, 1, 1, 0, 2, 2], device=dev) if groups else None
-    a = quantize_activation_rac(x, ci, groups=grp, fragment_order=frag)
-    b = quantize_activation_rac(x, ci, groups=grp, fragment_order=frag, dense_residual=True)
-    position = torch.argsort(fragment_columns(k)) if frag else torch.arange(k)
-    sets = ci.cpu()[grp.cpu()] if groups else ci.cpu().expand(7, -1)
-    want = torch.zeros(7, k, dtype=torch.float16)
-    want.scatter_(1, position[sets], a.r_values.cpu())
-    assert b.r_values.shape == (7, k) and torch.equal(b.r_values.cpu(), want)
-    for name in ("data", "scale", "s_dec", "values", "r_data", "r_scale", "r_s_dec"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-
-
 # ---- decode: exhaustive, bit-exact -----------------------------------------------------------
 @triton.jit
 def _fragment_probe(w_ptr, s_ptr, out_ptr, ASM: tl.constexpr):
@@ -254,45 +231,11 @@ def test_fragment_fused_moe_cpu(mode, dtype, t, prebuilt, swap):
 
 
 @cpu_kernels
-@pytest.mark.parametrize("dtype,swap,split", [(torch.float32, True, 1), (torch.bfloat16, False, 1),
-                                              (torch.float32, True, 2)])
-def test_fragment_fused_moe_rac_rows_cpu(dtype, swap, split):
-    """RAC as MMA rows (`GemmConfig.rac_rows`): the dense residual through the main loop, fc2 with one channel
-    set per expert, against the reference; split-K: each split takes its K range of the residual."""
-    cfg = GemmConfig(16, 64, 128, 4, 1, 8, swap, split_k=split, rac_rows=True)
-    _check_moe("cpu", "w4a4_rac", dtype, 6, 256, 128, 4, 2, False, configs=(cfg, cfg))
-
-
-@cpu_kernels
-@pytest.mark.parametrize("split", [1, 2])
-def test_fragment_linear_rac_rows_cpu(split):
-    """The dense GEMM with the residual as MMA rows, bias, split-K (each split its own K range of the residual)."""
-    gen = torch.Generator().manual_seed(8)
-    x = activations(5, 512, torch.float32, "cpu", gen)
-    w = packed((128, 512), "cpu", gen=gen)
-    ci, b = comp(512, 32, gen), torch.randn(128, generator=gen)
-    qa = quantize_activation_rac(x, ci, fragment_order=True, dense_residual=True)
-    out = torch.empty(5, 128)
-    launch_gemm(qa.values, qa.s_dec, to_fragment_order(w[0]).unsqueeze(0), to_fragment_scale_order(w[1]).unsqueeze(0),
-                w[2].reshape(1), out, m=5, r=(qa.r_values, qa.r_s_dec), bias=b, fragment_layout=True,
-                config=GemmConfig(16, 64, 128, 4, 1, 8, True, split, rac_rows=True))
-    want = reference.w4a4_linear(x, *w, act_mode="w4a4_rac", comp_index=ci, bias=b)
-    assert rel(out, want) < 2e-6
-    assert rel(out, reference.w4a4_linear(x, *w, act_mode="w4a4", bias=b)) > 1e-4   # the residual counts
-
-
-@cpu_kernels
-def test_rac_rows_needs_the_dense_residual():
-    gen = torch.Generator().manual_seed(6)
-    x = activations(3, 128, torch.float32, "cpu", gen)
-    w = packed((64, 128), "cpu", gen=gen)
-    ci = comp(128, 16, gen)
-    qa = quantize_activation_rac(x, ci, fragment_order=True)   # the k-wide residual
-    with pytest.raises(ValueError, match="rac_rows needs .* dense over K"):
-        launch_gemm(qa.values, qa.s_dec, to_fragment_order(w[0]).unsqueeze(0),
-                    to_fragment_scale_order(w[1]).unsqueeze(0), w[2].reshape(1), torch.empty(3, 64), m=3,
-                    r=(qa.r_values, qa.r_s_dec), config=GemmConfig(16, 64, 128, 4, 1, 8, True, rac_rows=True),
-                    fragment_layout=True)
+def test_fragment_fused_moe_256_rows_cpu():
+    """A tile of 256 weight rows (4 atoms of 64; 8 warps on the GPU) where fc2's N of 384 is not a multiple of
+    256: the last tile's atoms past N clamp to the last one and their rows are not stored."""
+    cfg = GemmConfig(16, 256, 128, 8, 1, 8, True)
+    _check_moe("cpu", "w4a4_rac", torch.float32, 6, 384, 128, 4, 2, False, configs=(cfg, cfg))
 
 
 @cpu_kernels
@@ -377,11 +320,9 @@ SWEEP_TILES = [(16, 64, 128, 4, 4, 8, True), (16, 128, 128, 4, 4, 8, True),
                (64, 128, 128, 8, 3, 8, True), (128, 64, 128, 4, 3, 8, False),
                (128, 128, 128, 8, 3, 8, True), (64, 128, 128, 4, 4, 8, True),
                (32, 128, 128, 4, 3, 8, True, 1, 168),
-               # RAC as MMA rows (GemmConfig.rac_rows)
-               (16, 128, 128, 4, 3, 8, True, 1, 96, True), (16, 64, 128, 4, 3, 8, True, 1, 96, True),
-               (16, 128, 128, 4, 2, 8, True, 1, 96, True), (16, 128, 128, 4, 2, 8, True, 1, 104, True),
-               (32, 128, 128, 4, 3, 8, True, 1, 168, True), (32, 128, 128, 4, 3, 8, True, 1, None, True),
-               (64, 128, 128, 8, 2, 8, True, 1, None, True)]
+               # 256 weight rows on 8 warps (N of 1536 and 2048 are multiples of 256, 320 is not)
+               (16, 256, 128, 8, 3, 8, True, 1, 96), (32, 256, 128, 8, 3, 8, True, 1, 128),
+               (32, 256, 128, 8, 3, 8, True, 1, 168), (64, 256, 128, 8, 3, 8, True)]
 
 
 def test_default_tiles_are_gpu_tested():

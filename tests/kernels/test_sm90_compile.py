@@ -19,22 +19,21 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernel_sass_report
 from quads_megatron.kernels import act_quant
-from quads_megatron.kernels.gemm import GemmConfig, fragment_config
+from quads_megatron.kernels.gemm import fragment_config
 
-# the activation pre-pass: dense residual (RAC as MMA rows) and the k-wide one, fragment order or not
+# the activation pre-pass with the RAC residual: fragment order or not, SiLU x up (fc2's) or not
 kern = act_quant._act_quant_kernel
 names = kern.arg_names
 ptrs = dict(x_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", sdec_ptr="*fp32", v_ptr="*fp16",
             comp_ptr="*i32", group_ptr="*i32", r_ptr="*u8", rs_ptr="*u8", rsdec_ptr="*fp32", rv_ptr="*fp16")
-for frag, dense, silu in ((True, True, True), (False, True, False), (True, False, True)):
-    consts = dict(WRITE_F16=True, FRAG=frag, RES_DENSE=dense, STATIC=False, SILU_MUL=silu, HAS_RES=True,
+for frag, silu in ((True, True), (False, False), (True, False)):
+    consts = dict(WRITE_F16=True, FRAG=frag, STATIC=False, SILU_MUL=silu, HAS_RES=True,
                   HAS_GROUP=silu, BLOCK_M=1, BLOCK_K=1024, BLOCK_KR=64, USE_PDL=False)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
                    target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
-# the v3 GEMM: the grouped default tiles (decode, 32 and 64 token columns) and a RAC-as-MMA-rows tile
-tiles = {fragment_config(r, 2048, 2048) for r in (8, 32, 128)} | {GemmConfig(16, 128, 128, 4, 2, 8, True, max_regs=96,
-                                                                            rac_rows=True)}
+# the v3 GEMM: the grouped default tiles (decode, 32 and 64 token columns) and the dense op's 32-token tile
+tiles = {fragment_config(r, 2048, 2048, dense=d) for r in (8, 32, 128) for d in (False, True)}
 for cfg in tiles:
     kernel_sass_report.compile_gemm(cfg, frag=True, rac=True)
 print("compiled", len(tiles), "GEMM tiles")
@@ -47,4 +46,4 @@ def test_gpu_forms_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", SCRIPT.replace("ROOT", repr(ROOT))], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 4 GEMM tiles" in proc.stdout
+    assert "compiled 5 GEMM tiles" in proc.stdout
