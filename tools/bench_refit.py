@@ -37,6 +37,20 @@ def _timer(device):
     return lambda fn, iters, warmup: time_ms(fn, device=device, iters=iters, warmup=warmup, mode="events")
 
 
+def _gpu_busy_ms(fn, device) -> float:
+    """Kernel and copy time on the GPU during one ``fn()`` (torch.profiler's device events, summed): against the
+    call's wall time it says whether a step is bound by the GPU or by the host work between launches; NaN off a GPU."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1e3
+
+
 def _copy_bandwidth(device):
     """Device copy bandwidth in TB/s (read + write); NaN off a GPU."""
     from quads_megatron.apps.study.timing import copy_bandwidth
@@ -322,8 +336,9 @@ def main():
     name = f"{L} layers x {E} experts, hidden {H}, FFN {F}, {device}" + (
         f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else "")
     print(f"Refit per RL step: {name}; device copy {bw:.2f} TB/s; floors: the result's own bytes at copy bandwidth")
-    print("| what | B/param moved | floor B/param | one layer ms | x floor | whole step ms (all layers) | step x floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("| what | B/param moved | floor B/param | one layer ms | x floor | whole step ms (all layers) | step x floor "
+          "| GPU busy in the step ms |")
+    print("|---|---|---|---|---|---|---|---|")
     out = {"layers": L, "experts": E, "hidden": H, "ffn": F, "copy_tb_s": bw, "old_per_expert_build_load_ms": old_ms}
 
     def save():
@@ -333,15 +348,17 @@ def main():
     for key, what, fn, moved, floor_b in rows:
         one = run(lambda: fn([0]), a.iters, 2)
         step = run(lambda: fn(range(L)), reps, 1)
+        busy = _gpu_busy_ms(lambda: fn(range(L)), device)
         fl = floor(params * floor_b)
         print(f"| {what} | {moved:.4g} | {floor_b:.4g} | {one:.3f} | {one / fl:.2f} | {step:.1f} | "
-              f"{step / (fl * L):.2f} |")
+              f"{step / (fl * L):.2f} | {busy:.1f} |")
         out[key] = {"layer_ms": one, "step_ms": step, "floor_layer_ms": fl, "bytes_per_param": moved,
-                    "floor_bytes_per_param": floor_b, "x_floor": one / fl, "step_x_floor": step / (fl * L)}
+                    "floor_bytes_per_param": floor_b, "x_floor": one / fl, "step_x_floor": step / (fl * L),
+                    "step_gpu_busy_ms": busy}
         save()  # row by row: a run cut short by its time limit keeps what it measured
     fl = floor(params * (B_IN + B_NV))
     print(f"| before the grouped kernels: per-expert quantize + copy into the engine | {2 * B_IN + B_NV:.4g} | "
-          f"{B_IN + B_NV:.4g} | {old_ms:.3f} | {old_ms / fl:.2f} | {old_ms * L:.1f} (x{L}) | - |")
+          f"{B_IN + B_NV:.4g} | {old_ms:.3f} | {old_ms / fl:.2f} | {old_ms * L:.1f} (x{L}) | - | - |")
     _conversion_table(engine, run, floor, a.iters, out)
     save()
     wire_bf16, wire_fp4 = params * 2 * L, params * 0.5625 * L + 4 * 2 * E * L
