@@ -143,8 +143,10 @@ def _timed_table(what_bytes, key_prefix, rows, nbytes, run, floor, iters, out):
 
 
 def _scale_conversion_table(engine, run, floor, iters, out):
-    """The same for one layer's block scales (`to/from_fragment_scale_order`, a torch permute in place)."""
-    from quads_megatron.kernels.fragment_layout import from_fragment_scale_order, to_fragment_scale_order
+    """The same for one layer's block scales: `to/from_fragment_scale_order` in place (on CUDA the one-pass Triton
+    form, `fragment_convert.convert_scale_order`) and the permutation's torch definition + copy into place."""
+    from quads_megatron.kernels.fragment_layout import (_scale_order_torch, from_fragment_scale_order,
+                                                        to_fragment_scale_order)
 
     scales, spare, nbytes = _layer_buffers(engine, ("w13_scale", "w2_scale"), 16)
     if not scales:
@@ -155,9 +157,13 @@ def _scale_conversion_table(engine, run, floor, iters, out):
         assert torch.equal(from_fragment_scale_order(t, out=t).view(torch.uint8), keep.view(torch.uint8))
     rows = [
         ("copy", "device copy of the same bytes (baseline)", lambda: [d.copy_(t) for d, t in zip(spare, scales)]),
-        ("to_kernel_layout", "torch permute in place (`to_fragment_scale_order`)",
+        ("to_kernel_layout", "`to_fragment_scale_order` in place (CUDA: one Triton pass)",
          lambda: [to_fragment_scale_order(t, out=t) for t in scales]),
         ("from_kernel_layout", "its inverse in place", lambda: [from_fragment_scale_order(t, out=t) for t in scales]),
+        ("torch_to_kernel_layout", "the permutation's torch definition + copy into place (the CPU path)",
+         lambda: [t.view(torch.uint8).copy_(_scale_order_torch(t)) for t in scales]),
+        ("torch_from_kernel_layout", "its inverse in torch + copy into place",
+         lambda: [t.view(torch.uint8).copy_(_scale_order_torch(t, inverse=True)) for t in scales]),
     ]
     _timed_table("block scales", "scale_conversion", rows, nbytes, run, floor, iters, out)
 

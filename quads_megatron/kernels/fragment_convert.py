@@ -1,4 +1,5 @@
-"""`fragment_layout`'s byte permutation in one Triton pass: each input byte read once, each output word written once.
+"""`fragment_layout`'s byte permutations in one Triton pass each: each input byte read once, each output word
+written once. Codes: `convert_fragment_order`; block scales: `convert_scale_order`.
 
 One program converts the 64-row strip of a contiguous [..., N, K//2] uint8 tensor (all its K/128
 atoms, or a block of them), as 32-bit words. For row r = 16q + 8h + g of the strip and 16-byte
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 MAX_ATOMS = 16  # atoms (128 columns each) per program: 16384 words, K <= 2048 converts in place directly
+MAX_STEPS = 64  # scale steps (8 scales of a row, one 8-byte word) per program: K <= 8192 converts in place directly
 
 
 @triton.jit
@@ -101,4 +103,45 @@ def convert_fragment_order(src: torch.Tensor, out: torch.Tensor, inverse: bool =
     _fragment_convert_kernel[grid](src.view(torch.int32), out.view(torch.int32), n_atoms, row_words,
                                    INVERSE=inverse, BLOCK_ATOMS=block, SYNC=in_place,
                                    num_warps=max(4, block))
+    return out
+
+
+@triton.jit
+def _scale_convert_kernel(src_ptr, dst_ptr, steps, INVERSE: tl.constexpr, BLOCK_S: tl.constexpr,
+                          SYNC: tl.constexpr):
+    """One 64-row strip of block scales as 8-byte words (a row's 8 scales of one 128-column step): word (r, s)
+    of ModelOpt's row-major strip goes to s * 64 + 32 h + 8 q + g of the fragment order, r = 16 q + 8 h + g."""
+    base = tl.program_id(0).to(tl.int64) * 64 * steps
+    r = tl.arange(0, 64)[:, None]
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+    mask = (s < steps) & (r < 64)
+    row_off = base + r * steps + s
+    frag_off = base + s * 64 + ((r // 8) % 2) * 32 + (r // 16) * 8 + r % 8
+    words = tl.load(src_ptr + (frag_off if INVERSE else row_off), mask=mask)
+    if SYNC:
+        tl.debug_barrier()  # every thread has read the strip before any writes it
+    tl.store(dst_ptr + (row_off if INVERSE else frag_off), words, mask=mask)
+
+
+def convert_scale_order(src: torch.Tensor, out: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Write `fragment_layout.to_fragment_scale_order(src)` (or, inverse=True, its inverse) into `out`, in one
+    launch. Both one byte per scale [..., N, K//16] of one shape, N % 64 == 0, K % 128 == 0 (the caller checks);
+    `out` contiguous and either disjoint from `src` or `src` itself."""
+    if not out.is_contiguous() or out.shape != src.shape or out.element_size() != 1 or out.data_ptr() % 8:
+        raise ValueError(f"out: expected contiguous one-byte scales {tuple(src.shape)} on an 8-byte boundary (the "
+                         f"kernel moves 8-byte words), got {out.dtype} {tuple(out.shape)} stride {out.stride()} "
+                         f"at {out.data_ptr():#x}")
+    if src.numel() == 0:
+        return out
+    steps = src.shape[-1] // 8
+    block = min(MAX_STEPS, triton.next_power_of_2(steps))
+    src = src.contiguous()
+    in_place = _overlap(src, out)
+    if (in_place and (src.data_ptr() != out.data_ptr() or block < steps)) or src.data_ptr() % 8:
+        src = src.clone()  # a program holds whole strips of at most MAX_STEPS steps; the words need alignment
+        in_place = False
+    strips = src.numel() // (64 * steps * 8)
+    _scale_convert_kernel[(strips, triton.cdiv(steps, block))](
+        src.view(torch.uint8).view(torch.int64), out.view(torch.uint8).view(torch.int64), steps,
+        INVERSE=inverse, BLOCK_S=block, SYNC=in_place, num_warps=4)
     return out

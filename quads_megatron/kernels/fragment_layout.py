@@ -16,9 +16,9 @@ f16x2 of the scales (s[2w], s[2w + 1]) scales the whole word. Atoms are stored [
 rows a warp loads per step are 64 contiguous bytes (in ModelOpt's layout they are 8 rows, 8
 cache lines, apart). Both permutations keep shape and dtype. `to_fragment_order` and
 `from_fragment_order` are exact inverses on every byte, in the plain-torch definition below (the
-CPU path); CUDA tensors go through the one-pass Triton form (`fragment_convert`, in place), which
-is checked bit-exactly against that definition in the interpreter and on the H200 and runs at
-~1.5x a device copy of the bytes (29x faster than the definition: docs/benchmarks.md section 3).
+CPU path); CUDA tensors go through one-pass Triton forms (`fragment_convert`, in place, codes and
+scales), checked bit-exactly against the definitions in the interpreter and on the GPU; the codes' pass
+runs at ~1.4x a device copy of the bytes (docs/benchmarks.md section 3).
 """
 
 from __future__ import annotations
@@ -147,18 +147,35 @@ def _steps(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _permute_scales(x: torch.Tensor, out: Optional[torch.Tensor], name: str, inverse: bool) -> torch.Tensor:
-    """The scale permutation as one torch permute + copy (scales are 1/8 of the codes' bytes), on 8-byte words
-    where the tensors allow it."""
-    n, k = check_fragment_scale_shape(x, name)
+    """The scale permutation: on CUDA one Triton pass (`fragment_convert.convert_scale_order`, in place where `out`
+    is `x`); elsewhere, or into an `out` the pass cannot write, the torch definition (`_scale_order_torch`)."""
+    check_fragment_scale_shape(x, name)
     if out is not None and (out.shape != x.shape or out.element_size() != 1 or out.device != x.device):
         raise ValueError(f"{name}: out must be one byte per scale {tuple(x.shape)} on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
-    src, dst = _bytes(x), None if out is None else _bytes(out)
-    ws, wd = _steps(src), None if dst is None else _steps(dst)
-    if ws is not None and (dst is None or wd is not None):
-        src, dst, unit = ws, wd, 1
-    else:
-        unit = SCALE_BLOCKS
+    dst = None if out is None else _bytes(out)
+    if x.is_cuda and (dst is None or (_steps(dst) is not None and dst.is_contiguous())):
+        from quads_megatron.kernels.fragment_convert import convert_scale_order
+
+        if dst is None:
+            return convert_scale_order(_bytes(x), torch.empty(x.shape, dtype=torch.uint8, device=x.device),
+                                       inverse).view(x.dtype)
+        convert_scale_order(_bytes(x), dst, inverse)
+        return out
+    y = _scale_order_torch(x, inverse)
+    if out is None:
+        return y.view(x.dtype)
+    dst.copy_(y)
+    return out
+
+
+def _scale_order_torch(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The scale permutation's definition in plain torch (any device): one permute into a new contiguous uint8
+    tensor, on 8-byte words (a row's 8 scales of one step) where the strides allow, else on bytes."""
+    n, k = x.shape[-2], x.shape[-1] * 16
+    src = _bytes(x)
+    words = _steps(src)
+    src, unit = (words, 1) if words is not None else (src, SCALE_BLOCKS)
     lead = x.shape[:-2]
     d = len(lead)
     modelopt = (*lead, n // ROWS, 4, 2, 8, k // COLS, unit)   # lead, R, q, h, g, S, blocks
@@ -167,11 +184,7 @@ def _permute_scales(x: torch.Tensor, out: Optional[torch.Tensor], name: str, inv
         y = src.reshape(frag).permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 5)
     else:         # lead, R, q, h, g, S, blocks -> lead, R, S, h, q, g, blocks
         y = src.reshape(modelopt).permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
-    y = y.reshape(src.shape)
-    if out is None:
-        return y.contiguous().view(torch.uint8).view(x.dtype)
-    dst.copy_(y.contiguous() if out.data_ptr() == x.data_ptr() else y)   # in place: read all first
-    return out
+    return y.reshape(src.shape).contiguous().view(torch.uint8)
 
 
 def _to_fragment_order_torch(codes: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,11 @@ row sub-ranges a partial load converts. CPU: the Triton interpreter; `-m gpu`: t
 import pytest
 import torch
 
-from quads_megatron.kernels.fragment_convert import MAX_ATOMS, convert_fragment_order
-from quads_megatron.kernels.fragment_layout import (_from_fragment_order_torch,
-                                                    _to_fragment_order_torch, from_fragment_order,
-                                                    to_fragment_order)
+from quads_megatron.kernels.fragment_convert import (MAX_ATOMS, MAX_STEPS, convert_fragment_order,
+                                                     convert_scale_order)
+from quads_megatron.kernels.fragment_layout import (_from_fragment_order_torch, _to_fragment_order_torch,
+                                                    from_fragment_order, from_fragment_scale_order,
+                                                    to_fragment_order, to_fragment_scale_order)
 from quads_megatron.kernels.gemm import interpreting
 from quads_megatron.plan.kernel_layout import rows_to_kernel_layout
 
@@ -186,3 +187,69 @@ def test_layout_functions_take_the_triton_pass_on_cuda_gpu(monkeypatch):
     buf = w.clone()
     assert to_fragment_order(buf, out=buf) is buf and torch.equal(buf, want)
     assert calls == [False, True, False, False]
+
+
+# ---- the block scales' pass (`convert_scale_order`) ------------------------------------------
+SCALE_SHAPES = [(64, 8),               # one strip, one step
+                (3, 128, 16),          # leading expert dim, 2 steps (K = 256)
+                (2, 192, 48),          # 6 steps (K = 768, the FFN of Qwen3-30B-A3B): masked block
+                (1, 64, 8 * MAX_STEPS),            # the most steps converted in place directly
+                (1, 64, 8 * (MAX_STEPS + 3))]      # more than one program holds: through a copy
+
+
+def _scale_definition(s):
+    """The permutation spelled out per scale: scale (n, j) of ModelOpt's order goes to byte
+    ((R * K/128 + S) * 64 + 32 h + 8 q + g) * 8 + j % 8 of its expert, n = 64 R + 16 q + 8 h + g, S = j // 8."""
+    n, kb = s.shape[-2], s.shape[-1]
+    row, col = torch.meshgrid(torch.arange(n), torch.arange(kb), indexing="ij")
+    r = row % 64
+    pos = (((row // 64) * (kb // 8) + col // 8) * 64 + ((r // 8) % 2) * 32 + (r // 16) * 8 + r % 8) * 8 + col % 8
+    flat = s.reshape(-1, n * kb)
+    out = torch.empty_like(flat)
+    out[:, pos.flatten()] = flat
+    return out.reshape(s.shape)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("shape", SCALE_SHAPES)
+def test_scale_pass_matches_definition_cpu(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    s = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    frag = _scale_definition(s)
+    assert torch.equal(frag, to_fragment_scale_order(s))           # the torch path: the same permutation
+    assert torch.equal(convert_scale_order(s, torch.empty_like(s)), frag)
+    assert torch.equal(convert_scale_order(frag, torch.empty_like(s), inverse=True), s)
+    buf = s.clone()                                                  # in place, both ways
+    assert convert_scale_order(buf, buf) is buf and torch.equal(buf, frag)
+    convert_scale_order(buf, buf, inverse=True)
+    assert torch.equal(buf, s)
+
+
+@cpu_kernels
+def test_scale_pass_views_cpu():
+    """A strided source goes through a copy; a source off an 8-byte boundary too; an out there is refused."""
+    gen = torch.Generator().manual_seed(16)
+    big = torch.randint(0, 256, (128, 33), dtype=torch.uint8, generator=gen)
+    src = big[:, 1:17]
+    assert torch.equal(convert_scale_order(src, torch.empty(128, 16, dtype=torch.uint8)), _scale_definition(src))
+    flat = torch.randint(0, 256, (64 * 8 + 8,), dtype=torch.uint8, generator=gen)
+    odd = flat[1:1 + 64 * 8].view(64, 8)
+    assert torch.equal(convert_scale_order(odd, torch.empty(64, 8, dtype=torch.uint8)), _scale_definition(odd))
+    with pytest.raises(ValueError, match="8-byte boundary"):
+        convert_scale_order(torch.zeros(64, 8, dtype=torch.uint8), odd)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(128, 1536, 128), (128, 2048, 48), (4, 128, 8 * (MAX_STEPS + 3))])
+def test_cuda_scale_conversion_is_bit_exact_gpu(shape):
+    """On CUDA `to_fragment_scale_order` runs the pass: new tensor, in place (e4m3 too), and the inverse,
+    against the permutation spelled out on the CPU."""
+    g = torch.Generator(device="cuda").manual_seed(shape[-1])
+    s = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
+    frag = _scale_definition(s.cpu())
+    assert torch.equal(to_fragment_scale_order(s).cpu(), frag)
+    e4 = s.clone().view(torch.float8_e4m3fn)
+    ptr = e4.data_ptr()
+    assert to_fragment_scale_order(e4, out=e4) is e4 and e4.data_ptr() == ptr
+    assert torch.equal(e4.view(torch.uint8).cpu(), frag)
+    assert torch.equal(from_fragment_scale_order(e4, out=e4).view(torch.uint8), s)

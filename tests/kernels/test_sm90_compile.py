@@ -32,6 +32,14 @@ for frag, silu in ((True, True), (False, False), (True, False)):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
                    target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+# the block scales' conversion pass (8-byte words, in place)
+from quads_megatron.kernels import fragment_convert
+kern = fragment_convert._scale_convert_kernel
+names = kern.arg_names
+consts = dict(INVERSE=False, BLOCK_S=16, SYNC=True)
+sig = {n: "constexpr" if n in consts else {"src_ptr": "*i64", "dst_ptr": "*i64"}.get(n, "i32") for n in names}
+triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
+               target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
 # the v3 GEMM: the grouped default tiles (decode, 32 and 64 token columns) and the dense op's 32-token tile
 tiles = {fragment_config(r, 2048, 2048, dense=d) for r in (8, 32, 128) for d in (False, True)}
 for cfg in tiles:

@@ -26,3 +26,4 @@ def test_bench_refit_runs_tiny_on_cpu(load_tool, monkeypatch, capsys, tmp_path):
     assert rows["conversion_to_kernel_layout"]["bytes"] == 8 * 128 * 64 and rows["conversion_copy"]["x_copy"] == 1
     assert "Kernel-layout conversion of one layer's block scales" in text
     assert rows["scale_conversion_to_kernel_layout"]["bytes"] == 8 * 128 * 8  # w13's scales [E, 2F, H/16]
+    assert rows["scale_conversion_torch_to_kernel_layout"]["bytes"] == 8 * 128 * 8
