@@ -110,17 +110,27 @@ def convert_fragment_order(src: torch.Tensor, out: torch.Tensor, inverse: bool =
 def _scale_convert_kernel(src_ptr, dst_ptr, steps, INVERSE: tl.constexpr, BLOCK_S: tl.constexpr,
                           SYNC: tl.constexpr):
     """One 64-row strip of block scales as 8-byte words (a row's 8 scales of one 128-column step): word (r, s)
-    of ModelOpt's row-major strip goes to s * 64 + 32 h + 8 q + g of the fragment order, r = 16 q + 8 h + g."""
+    of ModelOpt's row-major strip goes to s * 64 + 32 h + 8 q + g of the fragment order, r = 16 q + 8 h + g.
+    Both sides are addressed contiguously ([64, S] rows, [S, 64] steps) and the words permuted in registers,
+    so loads and stores stay coalesced."""
     base = tl.program_id(0).to(tl.int64) * 64 * steps
-    r = tl.arange(0, 64)[:, None]
-    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
-    mask = (s < steps) & (r < 64)
-    row_off = base + r * steps + s
-    frag_off = base + s * 64 + ((r // 8) % 2) * 32 + (r // 16) * 8 + r % 8
-    words = tl.load(src_ptr + (frag_off if INVERSE else row_off), mask=mask)
+    s0 = tl.program_id(1) * BLOCK_S
+    rows = base + tl.arange(0, 64)[:, None] * steps + s0 + tl.arange(0, BLOCK_S)[None, :]     # [64 (q h g), S]
+    frag = base + (s0 + tl.arange(0, BLOCK_S))[:, None] * 64 + tl.arange(0, 64)[None, :]   # [S, 64 (h q g)]
+    rmask = (s0 + tl.arange(0, BLOCK_S) < steps)[None, :] & (tl.arange(0, 64) < 64)[:, None]
+    fmask = (s0 + tl.arange(0, BLOCK_S) < steps)[:, None] & (tl.arange(0, 64) < 64)[None, :]
+    if INVERSE:
+        words = tl.load(src_ptr + frag, mask=fmask)                                   # [S, h, q, g]
+        out = tl.reshape(tl.permute(tl.reshape(words, (BLOCK_S, 2, 4, 8)), (2, 1, 3, 0)), (64, BLOCK_S))
+    else:
+        words = tl.load(src_ptr + rows, mask=rmask)                                   # [q, h, g, S]
+        out = tl.reshape(tl.permute(tl.reshape(words, (4, 2, 8, BLOCK_S)), (3, 1, 0, 2)), (BLOCK_S, 64))
     if SYNC:
         tl.debug_barrier()  # every thread has read the strip before any writes it
-    tl.store(dst_ptr + (row_off if INVERSE else frag_off), words, mask=mask)
+    if INVERSE:
+        tl.store(dst_ptr + rows, out, mask=rmask)
+    else:
+        tl.store(dst_ptr + frag, out, mask=fmask)
 
 
 def convert_scale_order(src: torch.Tensor, out: torch.Tensor, inverse: bool = False) -> torch.Tensor:

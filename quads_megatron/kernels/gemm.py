@@ -418,23 +418,32 @@ def default_config(rows_per_expert: float, n: int, k: int, rac: bool = False) ->
 
 
 def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, dense: bool = False) -> GemmConfig:
-    """Tile choice for fragment-order weights (K step 128, N tiles of 64 rows per 4 warps), from
-    `tools/bench_moe_layer.py --sweep` and `tools/bench_w4a4_linear.py` on the H100 (docs/benchmarks.md
-    sections 5 and 6). Swap-AB (the decoded weight as wgmma's register operand, 4 warps, 3 stages)
-    with as many token columns as the rows need: 16, capped at 96 registers (5 CTAs per SM, no
-    spills); the grouped layer 32 up to 64 rows, capped at 168 (3 CTAs per SM, no spills: 1.04x the
-    cap of 128 at 32 rows, 1.09x the 64-token tile at 64), the dense op 32 up to 32 rows, capped at
-    128 (4 CTAs per SM; ptxas spills 80 / 112 bytes a thread there, W4A4 / RAC); 64, uncapped. The
-    grouped layer keeps 64 token columns at any row count above (measured to 512 rows per expert: 8192
-    tokens of Qwen3-30B-A3B, 2.55 against 2.73 ms for the 128 x 128 tile on 8 warps, which decodes a
-    weight tile once per 128 rows but through shared memory); the dense op only up to 64 rows (at
-    96-128 rows the 128 x 128 tile was 0-6% faster).
-    N not a multiple of 128 (64-row swap-AB N tiles) keeps the (64 | 128) x 128 tiles above 32 rows.
-    k and rac are taken for `default_config`'s signature (`moe_configs` calls either): the tiles here do
-    not depend on them (the RAC residual step runs in every tile)."""
+    """Tile choice for fragment-order weights (K step 128), from `tools/bench_moe_layer.py --sweep` and
+    `tools/bench_w4a4_linear.py` on the H100 (docs/benchmarks.md sections 5 and 6). Swap-AB (the decoded weight
+    as wgmma's register operand) with as many token columns as the rows need, by mean rows per expert:
+
+    - grouped, <= 1 row (decode): 16 tokens x 256 weight rows on 8 warps, capped at 96 registers (N a multiple of
+      256): one activation tile per 256 rows instead of 128, half the CTAs (1.13x W4A4 / 1.03x RAC at 16 tokens;
+      slower at 16 rows);
+    - <= 16 rows: 16 tokens x 128 rows on 4 warps, capped at 96 registers (5 CTAs per SM, no spills);
+    - grouped, 33-48 rows: 64 tokens, 4 stages: random routing puts most experts under 64 rows, so each expert's
+      weights are decoded once where the 32-token tile decodes them twice (1.13x at 48 rows; at 32 and 64 rows,
+      where more experts need a second tile of either, the 32-token tile wins by 28% and 9%);
+    - grouped, <= 64 rows: 32 tokens capped at 168 registers (3 CTAs per SM, no spills); the dense op up to 32
+      rows: 32 tokens capped at 128 (4 CTAs per SM; ptxas spills 80 / 112 bytes a thread, W4A4 / RAC);
+    - above: 64 tokens, uncapped (the grouped layer at any row count: at 512 rows per expert 2.55 against 2.73 ms
+      for the 128 x 128 tile on 8 warps, which decodes a weight tile once per 128 rows but through shared memory);
+      the dense op only up to 64 rows (at 96-128 rows the 128 x 128 tile was 0-6% faster).
+
+    N not a multiple of 128 (64-row N tiles) keeps the (64 | 128) x 128 tiles above 32 rows. k and rac are
+    taken for `default_config`'s signature (`moe_configs` calls either): the tiles do not depend on them."""
     bn = 128 if n % 128 == 0 else 64
+    if not dense and rows_per_expert <= 1 and n % 256 == 0:
+        return GemmConfig(16, 256, 128, 8, 3, 8, True, max_regs=96)
     if rows_per_expert <= 16:
         return GemmConfig(16, bn, 128, 4, 3, 8, True, max_regs=96)
+    if not dense and bn == 128 and 32 < rows_per_expert <= 48:
+        return GemmConfig(64, 128, 128, 4, 4, 8, True)
     if not dense and bn == 128 and rows_per_expert <= 64:
         return GemmConfig(32, 128, 128, 4, 3, 8, True, max_regs=168)
     if rows_per_expert <= 32:

@@ -298,6 +298,7 @@ def test_torch_backend_reads_fragment_weights_back():
 @pytest.mark.parametrize("mode,dtype,t", [("w4a4_rac", torch.float32, 16),
                                           ("w4a4_rac", torch.bfloat16, 16),
                                           ("w4a4_rac", torch.float32, 384),
+                                          ("w4a4_rac", torch.float32, 768),
                                           ("w4a4_rac", torch.float32, 1024),
                                           ("w4a4_rac", torch.bfloat16, 4096),
                                           ("w4a4", torch.float32, 64),

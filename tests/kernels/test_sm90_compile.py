@@ -40,8 +40,8 @@ consts = dict(INVERSE=False, BLOCK_S=16, SYNC=True)
 sig = {n: "constexpr" if n in consts else {"src_ptr": "*i64", "dst_ptr": "*i64"}.get(n, "i32") for n in names}
 triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
                target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
-# the v3 GEMM: the grouped default tiles (decode, 32 and 64 token columns) and the dense op's 32-token tile
-tiles = {fragment_config(r, 2048, 2048, dense=d) for r in (8, 32, 128) for d in (False, True)}
+# the v3 GEMM: every default tile of the grouped layer and the dense op
+tiles = {fragment_config(r, 2048, 2048, dense=d) for r in (1, 8, 32, 40, 128) for d in (False, True)}
 for cfg in tiles:
     kernel_sass_report.compile_gemm(cfg, frag=True, rac=True)
 print("compiled", len(tiles), "GEMM tiles")
@@ -54,4 +54,4 @@ def test_gpu_forms_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", SCRIPT.replace("ROOT", repr(ROOT))], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 5 GEMM tiles" in proc.stdout
+    assert "compiled 7 GEMM tiles" in proc.stdout
