@@ -422,9 +422,10 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, d
     `tools/bench_w4a4_linear.py` on the H100 (docs/benchmarks.md sections 5 and 6). Swap-AB (the decoded weight
     as wgmma's register operand) with as many token columns as the rows need, by mean rows per expert:
 
-    - grouped, <= 1 row (decode): 16 tokens x 256 weight rows on 8 warps, capped at 96 registers (N a multiple of
-      256): one activation tile per 256 rows instead of 128, half the CTAs (1.13x W4A4 / 1.03x RAC at 16 tokens;
-      slower at 16 rows);
+    - grouped, 0.5-1 row (decode batches of 9-16 at 128 experts, top-8): 16 tokens x 256 weight rows on 8 warps,
+      capped at 96 registers (N a multiple of 256): one activation tile per 256 rows instead of 128, half the CTAs
+      (1.13x W4A4 / 1.03x RAC at 16 tokens; slower at 16 rows). Not below: untimed there, and at one token fc2
+      would run 64 such programs on 132 SMs;
     - <= 16 rows: 16 tokens x 128 rows on 4 warps, capped at 96 registers (5 CTAs per SM, no spills);
     - grouped, 33-48 rows: 64 tokens, 4 stages: random routing puts most experts under 64 rows, so each expert's
       weights are decoded once where the 32-token tile decodes them twice (1.13x at 48 rows; at 32 and 64 rows,
@@ -438,7 +439,7 @@ def fragment_config(rows_per_expert: float, n: int, k: int, rac: bool = False, d
     N not a multiple of 128 (64-row N tiles) keeps the (64 | 128) x 128 tiles above 32 rows. k and rac are
     taken for `default_config`'s signature (`moe_configs` calls either): the tiles do not depend on them."""
     bn = 128 if n % 128 == 0 else 64
-    if not dense and rows_per_expert <= 1 and n % 256 == 0:
+    if not dense and 0.5 < rows_per_expert <= 1 and n % 256 == 0:
         return GemmConfig(16, 256, 128, 8, 3, 8, True, max_regs=96)
     if rows_per_expert <= 16:
         return GemmConfig(16, bn, 128, 4, 3, 8, True, max_regs=96)
