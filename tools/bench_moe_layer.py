@@ -384,7 +384,13 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
                      C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3, 8, True),
                      C(64, 128, 128, 4, 4, 8, True), wide[3]]
-        return [None] + [(c, c) for c in cands]
+        pairs = [(c, c) for c in cands]
+        if 32 < rows <= 128:
+            # fc1 (N 1536, K 2048: 16 K-steps) and fc2 (N 2048, K 768: 6) on different tiles: the 32- and 64-token
+            # tiles each way, and fc2 on 64 x 256 (the fastest W4A4 tile at 48-64 rows, its RAC step the slowest)
+            t32, t64 = C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 4, 4, 8, True)
+            pairs += [(t32, t64), (t64, t32), (t32, wide[3]), (t64, wide[3])]
+        return [None] + pairs
     if rows <= 32:
         cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,
                  (C(16, 128, 128, 8, 3, 8, True),) * 2, (C(16, 128, 128, 8, 4, 8, True),) * 2]
