@@ -17,8 +17,8 @@ rows a warp loads per step are 64 contiguous bytes (in ModelOpt's layout they ar
 cache lines, apart). Both permutations keep shape and dtype. `to_fragment_order` and
 `from_fragment_order` are exact inverses on every byte, in the plain-torch definition below (the
 CPU path); CUDA tensors go through one-pass Triton forms (`fragment_convert`, in place, codes and
-scales), checked bit-exactly against the definitions in the interpreter and on the GPU; the codes' pass
-runs at ~1.4x a device copy of the bytes (docs/benchmarks.md section 3).
+scales), checked bit-exactly against the definitions in the interpreter and, under `-m gpu`, on the GPU; the
+codes' pass runs at ~1.4x a device copy of the bytes (docs/benchmarks.md section 3).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ the act_quant pre-pass (exact fp16, its own per-row S_dec: the accumulator is re
 S_dec(x) / S_dec(r) before these steps) and the weight columns Wq[:, S] are stored per expert
 at load time in the same exact fp16 form (`rac_columns.rac_weight_columns`), so no single
 columns are gathered from the packed weight here. (A form that folded the residual into the
-fp16 activation tile was removed: it failed its GPU accuracy test.)
+fp16 activation tile was removed: it failed its GPU accuracy test; one that ran the residual as more MMA
+rows of the main loop, reading no columns, was slower at every size: docs/benchmarks.md section 5.)
 
 `GemmConfig.swap_ab` computes C^T = W A^T instead (same products, same fp32 accumulation): the
 decoded weight tile becomes the MMA's A operand, which Hopper's wgmma reads from registers, and
