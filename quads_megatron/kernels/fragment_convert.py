@@ -81,6 +81,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
 
 
+def _readable_source(src: torch.Tensor, out: torch.Tensor, whole_strips: bool, align: int) -> tuple:
+    """(the source a launch reads, whether it converts in place): a strided source through a contiguous copy; one
+    that overlaps `out` without being it, whose strips one program cannot hold whole, or whose data is off an
+    `align`-byte boundary (the kernels move words) through a fresh copy."""
+    src = src.contiguous()
+    in_place = _overlap(src, out)
+    if (in_place and (src.data_ptr() != out.data_ptr() or not whole_strips)) or src.data_ptr() % align:
+        return src.clone(), False
+    return src, in_place
+
+
 def convert_fragment_order(src: torch.Tensor, out: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Write `fragment_layout.to_fragment_order(src)` (or, inverse=True, `from_fragment_order(src)`)
     into `out`, in one launch. Both uint8 [..., N, K//2] of one shape, N % 64 == 0, K % 128 == 0
@@ -93,11 +104,7 @@ def convert_fragment_order(src: torch.Tensor, out: torch.Tensor, inverse: bool =
         return out
     n_atoms, row_words = k // 128, k // 8
     block = min(MAX_ATOMS, triton.next_power_of_2(n_atoms))
-    src = src.contiguous()  # a strided source is read through a contiguous copy
-    in_place = _overlap(src, out)
-    if in_place and (src.data_ptr() != out.data_ptr() or block < n_atoms):
-        src = src.clone()  # a program can hold only whole strips of at most MAX_ATOMS atoms
-        in_place = False
+    src, in_place = _readable_source(src, out, block >= n_atoms, 4)
     strips = src.numel() // (64 * k // 2)
     grid = (strips, triton.cdiv(n_atoms, block))
     _fragment_convert_kernel[grid](src.view(torch.int32), out.view(torch.int32), n_atoms, row_words,
@@ -145,11 +152,7 @@ def convert_scale_order(src: torch.Tensor, out: torch.Tensor, inverse: bool = Fa
         return out
     steps = src.shape[-1] // 8
     block = min(MAX_STEPS, triton.next_power_of_2(steps))
-    src = src.contiguous()
-    in_place = _overlap(src, out)
-    if (in_place and (src.data_ptr() != out.data_ptr() or block < steps)) or src.data_ptr() % 8:
-        src = src.clone()  # a program holds whole strips of at most MAX_STEPS steps; the words need alignment
-        in_place = False
+    src, in_place = _readable_source(src, out, block >= steps, 8)
     strips = src.numel() // (64 * steps * 8)
     _scale_convert_kernel[(strips, triton.cdiv(steps, block))](
         src.view(torch.uint8).view(torch.int64), out.view(torch.uint8).view(torch.int64), steps,

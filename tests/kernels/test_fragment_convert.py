@@ -25,6 +25,16 @@ cpu_kernels = pytest.mark.skipif(CUDA or not interpreting(),
 gpu = pytest.mark.gpu
 
 
+def _both_ways(convert, x, want):
+    """`convert(src, out, inverse)` gives `want` from `x` and back, into a new tensor and in place."""
+    assert torch.equal(convert(x, torch.empty_like(x)), want)
+    assert torch.equal(convert(want, torch.empty_like(x), inverse=True), x)
+    buf = x.clone()
+    assert convert(buf, buf) is buf and torch.equal(buf, want)
+    convert(buf, buf, inverse=True)
+    assert torch.equal(buf, x)
+
+
 def _triton(x, inverse=False, out=None):
     return convert_fragment_order(x, torch.empty_like(x) if out is None else out, inverse)
 
@@ -80,13 +90,7 @@ SHAPES = [(64, 64),            # one atom
 def test_triton_matches_definition_cpu(shape):
     gen = torch.Generator().manual_seed(sum(shape))
     w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-    frag = _to_fragment_order_torch(w)
-    assert torch.equal(_triton(w), frag)
-    assert torch.equal(_triton(frag, inverse=True), w)
-    buf = w.clone()                                        # in place, both ways
-    assert convert_fragment_order(buf, buf) is buf and torch.equal(buf, frag)
-    convert_fragment_order(buf, buf, inverse=True)
-    assert torch.equal(buf, w)
+    _both_ways(convert_fragment_order, w, _to_fragment_order_torch(w))
 
 
 @cpu_kernels
@@ -217,12 +221,7 @@ def test_scale_pass_matches_definition_cpu(shape):
     s = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
     frag = _scale_definition(s)
     assert torch.equal(frag, to_fragment_scale_order(s))           # the torch path: the same permutation
-    assert torch.equal(convert_scale_order(s, torch.empty_like(s)), frag)
-    assert torch.equal(convert_scale_order(frag, torch.empty_like(s), inverse=True), s)
-    buf = s.clone()                                                  # in place, both ways
-    assert convert_scale_order(buf, buf) is buf and torch.equal(buf, frag)
-    convert_scale_order(buf, buf, inverse=True)
-    assert torch.equal(buf, s)
+    _both_ways(convert_scale_order, s, frag)
 
 
 @cpu_kernels

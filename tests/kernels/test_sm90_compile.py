@@ -18,28 +18,27 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernel_sass_report
-from quads_megatron.kernels import act_quant
+from quads_megatron.kernels import act_quant, fragment_convert
 from quads_megatron.kernels.gemm import fragment_config
 
+
+def compile_sm90(kern, consts, ptrs, num_warps=4):
+    names = kern.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
+                   target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps))
+
+
 # the activation pre-pass with the RAC residual: fragment order or not, SiLU x up (fc2's) or not
-kern = act_quant._act_quant_kernel
-names = kern.arg_names
 ptrs = dict(x_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", sdec_ptr="*fp32", v_ptr="*fp16",
             comp_ptr="*i32", group_ptr="*i32", r_ptr="*u8", rs_ptr="*u8", rsdec_ptr="*fp32", rv_ptr="*fp16")
 for frag, silu in ((True, True), (False, False), (True, False)):
-    consts = dict(WRITE_F16=True, FRAG=frag, STATIC=False, SILU_MUL=silu, HAS_RES=True,
-                  HAS_GROUP=silu, BLOCK_M=1, BLOCK_K=1024, BLOCK_KR=64, USE_PDL=False)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
-                   target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+    compile_sm90(act_quant._act_quant_kernel, dict(WRITE_F16=True, FRAG=frag, STATIC=False, SILU_MUL=silu,
+                                                   HAS_RES=True, HAS_GROUP=silu, BLOCK_M=1, BLOCK_K=1024,
+                                                   BLOCK_KR=64, USE_PDL=False), ptrs)
 # the block scales' conversion pass (8-byte words, in place)
-from quads_megatron.kernels import fragment_convert
-kern = fragment_convert._scale_convert_kernel
-names = kern.arg_names
-consts = dict(INVERSE=False, BLOCK_S=16, SYNC=True)
-sig = {n: "constexpr" if n in consts else {"src_ptr": "*i64", "dst_ptr": "*i64"}.get(n, "i32") for n in names}
-triton.compile(ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
-               target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+compile_sm90(fragment_convert._scale_convert_kernel, dict(INVERSE=False, BLOCK_S=16, SYNC=True),
+             dict(src_ptr="*i64", dst_ptr="*i64"))
 # the v3 GEMM: every default tile of the grouped layer and the dense op
 tiles = {fragment_config(r, 2048, 2048, dense=d) for r in (1, 8, 32, 40, 128) for d in (False, True)}
 for cfg in tiles:
