@@ -5,7 +5,8 @@
 #   bash tools/gpu_session.sh pretrain stability         # the 300-step RL stability study, detached; then
 #   WAIT_S=560 bash tools/gpu_session.sh stability-wait  # in each following call (machine still held): poll, collect
 #   GPU_TESTS="tests/kernels" bash tools/gpu_session.sh check  # a subset of the GPU tests (correctness only: it may
-#                                                        # share the GPU with the study's runs)
+#                                                        # share the GPU with the study's runs); GPU_TESTS_K="a or b"
+#                                                        # is pytest's -k (check, kernel-tests)
 #   bash tools/gpu_session.sh kernels                    # kernel GPU tests, then MoE layer / dense / refit benches,
 #                                                        # then the v3 tile sweep: kernel-tests, kernel-bench and
 #                                                        # kernel-sweep, one call each on a held machine
@@ -41,6 +42,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-64}
 RL_FLAGS=(--sft-iters 60 --sft-batch-size 64 --sft-lr 3e-4 --rollout-batch-size 16 --n-samples-per-prompt 8
           --eval-interval 10 --lr 2e-5)
 stage() { echo "=== $1 $(date +%T)"; }
+K_ARGS=(${GPU_TESTS_K:+-k "$GPU_TESTS_K"})   # pytest's -k for the test stages (an expression with spaces stays one word)
 # megatron-core and transformers >= 5.19 from a carried .whl, beside the image's torch, for every stage
 # (once per machine: stability-wait is called again and again on the held one)
 if [ -d .whl ]; then
@@ -68,7 +70,7 @@ for s in "$@"; do
       stage check
       [ -d .whl-sglang ] && { with_sglang || exit 1; }
       # the whole log goes to $OUT first, so a call cut at its limit still brings back what passed and failed
-      timeout "${TESTS_S:-540}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 \
+      timeout "${TESTS_S:-540}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} "${K_ARGS[@]}" 2>&1 \
           | tee "$OUT/gpu_tests.log" | tail -25 ;;
     pretrain)
       stage pretrain
@@ -97,7 +99,7 @@ for s in "$@"; do
     kernel-tests)
       # the GPU tests (kernels, loaders, engines; SGLang's skip without its wheel set)
       stage kernel-tests
-      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      timeout "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} "${K_ARGS[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernel-bench)
       # the MoE layer (BF16, FP8, v2, v3), the refit (and its kernel-layout conversions), the dense linear; each bounded
       stage moe_layer
