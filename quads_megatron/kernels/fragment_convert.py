@@ -121,11 +121,12 @@ def _scale_convert_kernel(src_ptr, dst_ptr, steps, INVERSE: tl.constexpr, BLOCK_
     Both sides are addressed contiguously ([64, S] rows, [S, 64] steps) and the words permuted in registers,
     so loads and stores stay coalesced."""
     base = tl.program_id(0).to(tl.int64) * 64 * steps
-    s0 = tl.program_id(1) * BLOCK_S
-    rows = base + tl.arange(0, 64)[:, None] * steps + s0 + tl.arange(0, BLOCK_S)[None, :]     # [64 (q h g), S]
-    frag = base + (s0 + tl.arange(0, BLOCK_S))[:, None] * 64 + tl.arange(0, 64)[None, :]   # [S, 64 (h q g)]
-    rmask = (s0 + tl.arange(0, BLOCK_S) < steps)[None, :] & (tl.arange(0, 64) < 64)[:, None]
-    fmask = (s0 + tl.arange(0, BLOCK_S) < steps)[:, None] & (tl.arange(0, 64) < 64)[None, :]
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    r = tl.arange(0, 64)
+    rows = base + r[:, None] * steps + s[None, :]     # [64 (q h g), S]
+    frag = base + s[:, None] * 64 + r[None, :]        # [S, 64 (h q g)]
+    rmask = (s < steps)[None, :]                      # (loads and stores broadcast a mask to their pointers)
+    fmask = (s < steps)[:, None]
     if INVERSE:
         words = tl.load(src_ptr + frag, mask=fmask)                                   # [S, h, q, g]
         out = tl.reshape(tl.permute(tl.reshape(words, (BLOCK_S, 2, 4, 8)), (2, 1, 3, 0)), (64, BLOCK_S))
