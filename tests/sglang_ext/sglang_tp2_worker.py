@@ -129,6 +129,22 @@ def check_row(rank: int, x: torch.Tensor) -> None:
     torch.testing.assert_close(layer(x[:, rank * 32:(rank + 1) * 32])[0], want, rtol=1.6e-2, atol=1e-2)
 
 
+def load_experts(layer, ck: dict, num_experts: int) -> None:
+    """Load a ModelOpt-named expert checkpoint through SGLang's own mapping and weight loaders, as its model loader does."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+
+    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts)
+    params = dict(layer.named_parameters(prefix="experts"))
+    for name, t in ck.items():
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name in name:
+                target = name.replace(weight_name, param_name)
+                p = params[target]
+                p.weight_loader(p, t, target, shard_id=shard_id, expert_id=expert_id)
+                break
+    layer.quant_method.process_weights_after_loading(layer)
+
+
 def check_moe(rank: int, x: torch.Tensor) -> None:
     """Expert TP: gate/up rows and down columns of every expert are split across the ranks."""
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
@@ -144,22 +160,13 @@ def check_moe(rank: int, x: torch.Tensor) -> None:
         assert "--ep-size" in str(err), err
     layer = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=f, layer_id=0, top_k=2,
                      params_dtype=torch.bfloat16, quant_config=config("w4a4"), prefix="experts")
-    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", e)
-    params = dict(layer.named_parameters(prefix="experts"))
     ck = {}
     for ex in range(e):
         gate, up = nvfp4_gate_up(f, h, 40 + ex)
         for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", nvfp4_linear(h, f, 60 + ex))):
             ck.update({f"experts.{ex}.{proj}.{k}": v for k, v in t.items()})
             ck[f"experts.{ex}.{proj}.input_scale"] = input_scale(ex)
-    for name, t in ck.items():
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if weight_name in name:
-                target = name.replace(weight_name, param_name)
-                p = params[target]
-                p.weight_loader(p, t, target, shard_id=shard_id, expert_id=expert_id)
-                break
-    layer.quant_method.process_weights_after_loading(layer)
+    load_experts(layer, ck, e)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(x.shape[0], e, generator=g)
     w, ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
@@ -195,8 +202,6 @@ def check_ep(rank: int, x: torch.Tensor) -> None:
                      params_dtype=torch.bfloat16, quant_config=config("w4a4_rac", "per_token"),
                      prefix="experts")
     assert layer.num_local_experts == e // TP
-    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", e)
-    params = dict(layer.named_parameters(prefix="experts"))
     fc1 = comp_index(h, 16, 7)
     ck = {}
     for ex in range(e):
@@ -206,14 +211,7 @@ def check_ep(rank: int, x: torch.Tensor) -> None:
             ck[f"experts.{ex}.{proj}.input_scale"] = input_scale(ex)
             ck[f"experts.{ex}.{proj}.input_comp_index"] = (
                 comp_index(f, 16, 90 + ex) if proj == "down_proj" else fc1)
-    for name, t in ck.items():
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if weight_name in name:
-                target = name.replace(weight_name, param_name)
-                p = params[target]
-                p.weight_loader(p, t, target, shard_id=shard_id, expert_id=expert_id)
-                break
-    layer.quant_method.process_weights_after_loading(layer)
+    load_experts(layer, ck, e)
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(x.shape[0], e, generator=g)
     w, ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
