@@ -44,12 +44,14 @@ def _from_fragment(word):
 @triton.jit
 def _fragment_convert_kernel(src_ptr, dst_ptr, n_atoms, row_words, INVERSE: tl.constexpr,
                              BLOCK_ATOMS: tl.constexpr, SYNC: tl.constexpr):
+    """One 64-row strip's codes (BLOCK_ATOMS atoms of it) as 32-bit words, ModelOpt order to fragment order or
+    back (INVERSE); SYNC: a barrier between the reads and the writes, so the strip converts in place."""
     A: tl.constexpr = BLOCK_ATOMS
     base = tl.program_id(0).to(tl.int64) * 64 * row_words  # the strip's first word
     a0 = tl.program_id(1) * A
     r = tl.arange(0, 64)[:, None]
     c = tl.arange(0, A * 16)[None, :]
-    mask = (a0 + c // 16 < n_atoms) & (r < 64)
+    mask = a0 + c // 16 < n_atoms  # [1, A * 16]: loads and stores broadcast it over the rows
     # ModelOpt side: row r's words 16 * atom + (4w + 2 half + s): [64, A, 4 (w), 2 (X, Y), 2 (s)]
     row_off = base + r * row_words + a0 * 16 + c
     # fragment side: atom's words h*512 + q*128 + g*16 + (4t + w), t = 2s + e: [64, A, 2, 2, 4]

@@ -36,9 +36,12 @@ for frag, silu in ((True, True), (False, False), (True, False)):
     compile_sm90(act_quant._act_quant_kernel, dict(WRITE_F16=True, FRAG=frag, STATIC=False, SILU_MUL=silu,
                                                    HAS_RES=True, HAS_GROUP=silu, BLOCK_M=1, BLOCK_K=1024,
                                                    BLOCK_KR=64, USE_PDL=False), ptrs)
-# the block scales' conversion pass (8-byte words, in place)
-compile_sm90(fragment_convert._scale_convert_kernel, dict(INVERSE=False, BLOCK_S=16, SYNC=True),
-             dict(src_ptr="*i64", dst_ptr="*i64"))
+# the codes' and the block scales' conversion passes, both ways, in place (32- and 8-byte words)
+for inverse in (False, True):
+    compile_sm90(fragment_convert._fragment_convert_kernel, dict(INVERSE=inverse, BLOCK_ATOMS=16, SYNC=True),
+                 dict(src_ptr="*i32", dst_ptr="*i32"), num_warps=16)
+    compile_sm90(fragment_convert._scale_convert_kernel, dict(INVERSE=inverse, BLOCK_S=16, SYNC=True),
+                 dict(src_ptr="*i64", dst_ptr="*i64"))
 # the v3 GEMM: every default tile of the grouped layer and the dense op
 tiles = {fragment_config(r, 2048, 2048, dense=d) for r in (1, 8, 32, 40, 128) for d in (False, True)}
 for cfg in tiles:
