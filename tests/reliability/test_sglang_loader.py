@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("sglang", reason="SGLang is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang_ext"))
 
-from sglang_fixtures import (TINY_HF, comp_index, init_sglang_runtime, input_scale, moe_checkpoint,  # noqa: E402
+from sglang_fixtures import (TINY_HF, comp_index, init_sglang_runtime, input_scale, load_experts, moe_checkpoint,  # noqa: E402
                              nvfp4_linear)
 
 from quads_megatron.errors import CheckpointError, ConfigError  # noqa: E402
@@ -68,18 +68,7 @@ def _moe_layer(cfg):
 
 def _load_moe(layer, ckpt: dict) -> None:
     """The expert branch of SGLang's Qwen3MoeForCausalLM.load_weights, then process."""
-    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-
-    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", E)
-    params = dict(layer.named_parameters(prefix="experts"))
-    for name, t in ckpt.items():
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if weight_name in name:
-                target = name.replace(weight_name, param_name)
-                if target in params:
-                    p = params[target]
-                    p.weight_loader(p, t, target, shard_id=shard_id, expert_id=expert_id)
-                break
+    load_experts(layer, ckpt, E)
     layer.quant_method.process_weights_after_loading(layer)
 
 

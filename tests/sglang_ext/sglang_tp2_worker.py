@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from sglang_fixtures import comp_index, input_scale, nvfp4_gate_up, nvfp4_linear
+from sglang_fixtures import comp_index, input_scale, load_experts, nvfp4_gate_up, nvfp4_linear
 from quads_megatron.errors import ConfigError
 
 TP = 2
@@ -129,22 +129,6 @@ def check_row(rank: int, x: torch.Tensor) -> None:
     torch.testing.assert_close(layer(x[:, rank * 32:(rank + 1) * 32])[0], want, rtol=1.6e-2, atol=1e-2)
 
 
-def load_experts(layer, ck: dict, num_experts: int) -> None:
-    """Load a ModelOpt-named expert checkpoint through SGLang's own mapping and weight loaders, as its model loader does."""
-    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-
-    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts)
-    params = dict(layer.named_parameters(prefix="experts"))
-    for name, t in ck.items():
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if weight_name in name:
-                target = name.replace(weight_name, param_name)
-                p = params[target]
-                p.weight_loader(p, t, target, shard_id=shard_id, expert_id=expert_id)
-                break
-    layer.quant_method.process_weights_after_loading(layer)
-
-
 def check_moe(rank: int, x: torch.Tensor) -> None:
     """Expert TP: gate/up rows and down columns of every expert are split across the ranks."""
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
@@ -167,6 +151,7 @@ def check_moe(rank: int, x: torch.Tensor) -> None:
             ck.update({f"experts.{ex}.{proj}.{k}": v for k, v in t.items()})
             ck[f"experts.{ex}.{proj}.input_scale"] = input_scale(ex)
     load_experts(layer, ck, e)
+    layer.quant_method.process_weights_after_loading(layer)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(x.shape[0], e, generator=g)
     w, ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
@@ -212,6 +197,7 @@ def check_ep(rank: int, x: torch.Tensor) -> None:
             ck[f"experts.{ex}.{proj}.input_comp_index"] = (
                 comp_index(f, 16, 90 + ex) if proj == "down_proj" else fc1)
     load_experts(layer, ck, e)
+    layer.quant_method.process_weights_after_loading(layer)
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(x.shape[0], e, generator=g)
     w, ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)

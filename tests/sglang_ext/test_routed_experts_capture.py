@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_fixtures import moe_checkpoint
+from sglang_fixtures import load_experts, moe_checkpoint
 
 pytest.importorskip("sglang", reason="SGLang is not installed")
 
@@ -59,15 +59,7 @@ def test_topk_layer_feeds_the_capturer_and_the_quads_moe_method(capturer):
         moe = FusedMoE(num_experts=E, hidden_size=H, intermediate_size=F, layer_id=layer_id, top_k=TOPK,
                        params_dtype=torch.bfloat16, quant_config=cfg, prefix=f"model.layers.{layer_id}.mlp.experts")
         assert isinstance(moe.quant_method, QuadsMoEMethod)
-        mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", E)
-        params = dict(moe.named_parameters(prefix="experts"))
-        for name, t in ckpt.items():
-            for param_name, weight_name, expert_id, shard_id in mapping:
-                if weight_name in name:
-                    name = name.replace(weight_name, param_name)
-                    if name in params:
-                        params[name].weight_loader(params[name], t, name, shard_id=shard_id, expert_id=expert_id)
-                    break
+        load_experts(moe, ckpt, E)
         moe.quant_method.process_weights_after_loading(moe)
         y = moe(x, out)
         assert torch.isfinite(y.float()).all()
