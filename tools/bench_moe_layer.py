@@ -358,6 +358,7 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
 
     rows = t * topk / e
     if kernel == "v3":
+        mixed = []  # (fc1, fc2) pairs on different tiles
         # 256 weight rows on 8 warps (two warpgroups of 128 sharing one activation tile): half the activation
         # tile reads of the 128-row tiles per weight byte (at 1024 tokens fc1 and fc2 read ~600 MB of fp16
         # activation tiles against 340 MB of weights). Offline (sm_90): 16 tokens at 96 registers no spill,
@@ -377,20 +378,17 @@ def sweep_configs(t: int, e: int, topk: int, kernel: str = "v2") -> list:
             # (64 token columns) decodes their weights once instead of twice. Tiles 1.3x or more slower than
             # the default at 64 rows (H100, 2026-12-07) are no longer candidates: 64 / 128 rows x 128 / 64
             # columns without swap-AB, 64 x 64 and 128 x 128 swap-AB, 64 token columns on 8 warps
-            cands = [C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 8, 3),
-                     C(32, 128, 128, 4, 3, 8, True, max_regs=128), C(64, 128, 128, 4, 3, 8, True),
-                     C(64, 128, 128, 4, 4, 8, True)] + wide[1:]
+            t32, t64 = C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 4, 4, 8, True)
+            cands = [t32, C(64, 128, 128, 8, 3), C(32, 128, 128, 4, 3, 8, True, max_regs=128),
+                     C(64, 128, 128, 4, 3, 8, True), t64] + wide[1:]
+            # fc1 (N 1536, K 2048: 16 K-steps) and fc2 (N 2048, K 768: 6) on different tiles: the 32- and 64-token
+            # tiles each way, and fc2 on 64 x 256 (the fastest W4A4 tile at 48-64 rows, its RAC step the slowest)
+            mixed = [(t32, t64), (t64, t32), (t32, wide[3]), (t64, wide[3])]
         else:
             cands = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(64, 128, 128, 8, 3),
                      C(128, 64, 128, 4, 3), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3, 8, True),
                      C(64, 128, 128, 4, 4, 8, True), wide[3]]
-        pairs = [(c, c) for c in cands]
-        if 32 < rows <= 128:
-            # fc1 (N 1536, K 2048: 16 K-steps) and fc2 (N 2048, K 768: 6) on different tiles: the 32- and 64-token
-            # tiles each way, and fc2 on 64 x 256 (the fastest W4A4 tile at 48-64 rows, its RAC step the slowest)
-            t32, t64 = C(32, 128, 128, 4, 3, 8, True, max_regs=168), C(64, 128, 128, 4, 4, 8, True)
-            pairs += [(t32, t64), (t64, t32), (t32, wide[3]), (t64, wide[3])]
-        return [None] + pairs
+        return [None] + [(c, c) for c in cands] + mixed
     if rows <= 32:
         cands = [(C(16, 64, 128, 4, 4, 8, True),) * 2, (C(32, 64, 128, 4, 4, 8, True),) * 2,
                  (C(16, 128, 128, 8, 3, 8, True),) * 2, (C(16, 128, 128, 8, 4, 8, True),) * 2]
